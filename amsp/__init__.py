@@ -1,0 +1,1 @@
+"""AMSP: the data-parallel layer (independent P/G/OS sharding, hierarchical collectives)."""

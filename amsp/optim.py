@@ -1,0 +1,39 @@
+"""Optimizer pieces shared by every data-parallel plan: decay groups and the LR schedule."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+
+def decays(name: str, param: nn.Parameter) -> bool:
+    """Weight decay applies to matrices (linear weights, embeddings) only, never to norm gains."""
+    return param.dim() >= 2
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if decays(name, p) else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+@dataclass(frozen=True)
+class WarmupCosine:
+    """Linear warmup from 0 to `lr`, then cosine decay to `min_lr` at `decay_steps`, flat after."""
+
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    decay_steps: int
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if step >= self.decay_steps:
+            return self.min_lr
+        span = max(1, self.decay_steps - self.warmup_steps)
+        progress = (step - self.warmup_steps) / span
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))

@@ -1,0 +1,101 @@
+"""Typed schemas for the Hydra config tree, registered in Hydra's ConfigStore.
+
+Because every group is a dataclass, an override with an unknown key or a value of the wrong type
+is rejected by Hydra with the offending key named, before any model state exists.
+Model presets are registered from models.llama.PRESETS, so the shapes have one source of truth.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from models.llama.config import PRESETS, LlamaConfig
+
+
+@dataclass
+class ModelConfig(LlamaConfig):
+    name: str = "tiny"
+
+
+@dataclass
+class DataConfig:
+    seq_len: int = 256
+    # Temporary byte-level source until the tokenized pipeline lands (data/temporary_text.py).
+    source: str = "temporary_stdlib_bytes"
+    max_bytes: int = 4_000_000
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 20
+    decay_steps: Optional[int] = None  # None = trainer.max_steps
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 200
+    micro_batch_size: int = 8
+    global_batch_size: int = 16  # samples per optimizer step, across all data-parallel ranks
+    global_batch_tokens: Optional[int] = None  # if set, overrides global_batch_size via data.seq_len
+    seed: int = 1234
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # compute dtype: auto (fp32 on CPU, bf16 on CUDA) | fp32 | bf16
+    log_interval: int = 10
+    output_dir: str = "runs"
+    run_name: str = "${model.name}"
+    threads: Optional[int] = None  # torch intra-op threads per rank; None = cores / local ranks
+
+
+@dataclass
+class LoggingConfig:
+    level: str = "INFO"
+
+
+@dataclass
+class AMSPConfig:
+    plan: str = "ddp"
+
+
+@dataclass
+class TrainConfig:
+    defaults: List[Any] = field(default_factory=list)
+    model: ModelConfig = MISSING
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    amsp: AMSPConfig = field(default_factory=AMSPConfig)
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    for name, preset in PRESETS.items():
+        cs.store(group="model", name=name, node=ModelConfig(name=name, **{f.name: getattr(preset, f.name) for f in fields(preset)}))
+    cs.store(group="optim", name="adamw_schema", node=OptimConfig)
+    cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)
+    cs.store(group="data", name="data_schema", node=DataConfig)
+    cs.store(group="logging", name="logging_schema", node=LoggingConfig)
+    cs.store(group="amsp", name="amsp_schema", node=AMSPConfig)
+
+
+def to_llama_config(model_cfg: Any) -> LlamaConfig:
+    """Resolved model node (DictConfig or ModelConfig) -> the model's own LlamaConfig."""
+    from omegaconf import OmegaConf
+
+    from models.llama.config import RopeScaling
+
+    d = OmegaConf.to_container(model_cfg, resolve=True) if not isinstance(model_cfg, dict) else dict(model_cfg)
+    d.pop("name", None)
+    d["rope_scaling"] = RopeScaling(**d.get("rope_scaling") or {})
+    return LlamaConfig(**{k: v for k, v in d.items() if k in LlamaConfig.field_names()})

@@ -1,0 +1,44 @@
+"""train.py end to end: config errors and a short run whose loss falls."""
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_train(tmp_path, *overrides, timeout=300):
+    cmd = [sys.executable, "train.py", f"trainer.output_dir={tmp_path}", *overrides]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def losses(stdout: str) -> list[float]:
+    return [float(m) for m in re.findall(r"\| loss ([0-9.]+)", stdout)]
+
+
+def test_unknown_override_key_is_named(tmp_path):
+    r = run_train(tmp_path, "trainer.max_stepz=3")
+    assert r.returncode != 0
+    assert "max_stepz" in r.stderr + r.stdout
+
+
+def test_wrongly_typed_override_is_named(tmp_path):
+    r = run_train(tmp_path, "trainer.max_steps=abc")
+    assert r.returncode != 0
+    assert "max_steps" in r.stderr + r.stdout
+
+
+def test_unknown_model_preset_is_an_error(tmp_path):
+    r = run_train(tmp_path, "model=llama9_1b")
+    assert r.returncode != 0
+    assert "llama9_1b" in r.stderr + r.stdout
+
+
+def test_short_run_loss_falls_and_config_is_saved(tmp_path):
+    r = run_train(tmp_path, "model=debug", "trainer.max_steps=40", "trainer.log_interval=10",
+                  "data.seq_len=64", "trainer.run_name=e2e")
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    ls = losses(r.stdout)
+    assert len(ls) == 4 and ls[-1] < ls[0] - 0.5, ls
+    saved = (tmp_path / "e2e" / "config.yaml").read_text()
+    assert "max_steps: 40" in saved

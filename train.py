@@ -1,0 +1,159 @@
+"""LLaMA pretraining entry point.
+
+    python train.py model=tiny trainer.max_steps=200
+    torchrun --nproc_per_node 4 train.py amsp.plan=zero3
+
+Reads top to bottom: distributed init, run directory and config, model, optimizer and schedule,
+data, then the loop (micro-batches with gradient accumulation, one optimizer step, a log line).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import pathlib
+import sys
+import time
+
+import hydra
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from amsp.launch import DistEnv, init_distributed
+from amsp.optim import WarmupCosine, param_groups
+from configs.schema import register_configs, to_llama_config
+from data.temporary_text import TemporaryStdlibBytes
+from models.llama import build_model, flops_per_token
+
+log = logging.getLogger("train")
+register_configs()
+
+
+def setup_logging(level: str, rank: int) -> None:
+    # Only rank 0 talks at INFO; other ranks report warnings and errors, tagged with their rank.
+    logging.basicConfig(level=getattr(logging, level.upper()) if rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s [rank{rank}] %(name)s: %(message)s", datefmt="%H:%M:%S",
+                        stream=sys.stdout, force=True)
+
+
+def pick_device_and_dtype(cfg: DictConfig, denv: DistEnv) -> tuple[torch.device, torch.dtype]:
+    want = cfg.trainer.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but CUDA is not available; use trainer.device=cpu")
+    device = torch.device(want, denv.local_rank) if want == "cuda" else torch.device("cpu")
+    # CPUs here run bf16 matmuls at under half the fp32 rate, so CPU defaults to fp32.
+    name = cfg.trainer.dtype if cfg.trainer.dtype != "auto" else ("bf16" if want == "cuda" else "fp32")
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    if name not in dtypes:
+        raise ValueError(f"trainer.dtype={name!r} is not one of auto|fp32|bf16")
+    return device, dtypes[name]
+
+
+def resolve_run_dir(cfg: DictConfig) -> pathlib.Path:
+    # Derived from the config alone, so every rank agrees without talking.
+    return pathlib.Path(cfg.trainer.output_dir) / str(cfg.trainer.run_name)
+
+
+def set_threads(cfg: DictConfig, denv: DistEnv) -> None:
+    n = cfg.trainer.threads or max(1, (os.cpu_count() or 1) // max(1, denv.local_world_size))
+    torch.set_num_threads(n)
+
+
+def batch_geometry(cfg: DictConfig, dp: int) -> tuple[int, int]:
+    """(global batch in samples, micro-batches per rank per step)."""
+    gbs = cfg.trainer.global_batch_size
+    if cfg.trainer.global_batch_tokens:
+        gbs = cfg.trainer.global_batch_tokens // cfg.data.seq_len
+    mbs = cfg.trainer.micro_batch_size
+    if gbs % (mbs * dp):
+        raise ValueError(f"global batch {gbs} samples is not divisible by micro_batch_size={mbs} x "
+                         f"data-parallel ranks={dp}")
+    return gbs, gbs // (mbs * dp)
+
+
+def average_gradients(model: torch.nn.Module, world: int) -> None:
+    # Plain replicated data parallelism; the AMSP engine replaces this with sharded collectives.
+    if world == 1:
+        return
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+
+
+@hydra.main(version_base=None, config_path="configs", config_name="train")
+def main(cfg: DictConfig) -> None:
+    denv = init_distributed()
+    setup_logging(cfg.logging.level, denv.rank)
+    set_threads(cfg, denv)
+    run_dir = resolve_run_dir(cfg)
+    resolved = OmegaConf.to_yaml(cfg, resolve=True)
+    if denv.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(resolved)
+        log.info("resolved config:\n%s", resolved)
+        log.info("run directory: %s", run_dir.resolve())
+
+    device, dtype = pick_device_and_dtype(cfg, denv)
+    model_cfg = to_llama_config(cfg.model)
+    seq_len = cfg.data.seq_len
+    if seq_len > model_cfg.max_seq_len:
+        raise ValueError(f"data.seq_len={seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}")
+    gbs, accum = batch_geometry(cfg, denv.world_size)
+    mbs = cfg.trainer.micro_batch_size
+
+    model = build_model(model_cfg, device=device, dtype=dtype, seed=cfg.trainer.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    fpt = flops_per_token(model_cfg, seq_len)
+    log.info("model %s: %.2fM parameters, %.3g FLOPs/token at seq_len %d; global batch %d samples "
+             "(%d micro-batches of %d per rank)", cfg.model.name, n_params / 1e6, fpt, seq_len, gbs, accum, mbs)
+
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2),
+                                  eps=o.eps, foreach=True)
+    schedule = WarmupCosine(o.lr, o.min_lr, o.warmup_steps, o.decay_steps or cfg.trainer.max_steps)
+    source = TemporaryStdlibBytes(seq_len, cfg.data.max_bytes, seed=cfg.trainer.seed)
+    if model_cfg.vocab_size < 256:
+        raise ValueError(f"the temporary byte source needs vocab_size >= 256, model has {model_cfg.vocab_size}")
+
+    tokens_per_step = gbs * seq_len
+    window_t0, window_steps = time.perf_counter(), 0
+    for step in range(cfg.trainer.max_steps):
+        lr = schedule(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(accum):
+            x, y = source.batch(step, micro, denv.rank, mbs)
+            loss = model(x.to(device), y.to(device))
+            (loss / accum).backward()
+            loss_sum += loss.detach()
+        average_gradients(model, denv.world_size)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        loss_avg = loss_sum / accum
+        if denv.world_size > 1:
+            dist.all_reduce(loss_avg)
+            loss_avg /= denv.world_size
+        window_steps += 1
+        if (step + 1) % cfg.trainer.log_interval == 0 or step + 1 == cfg.trainer.max_steps:
+            elapsed = time.perf_counter() - window_t0
+            tps = tokens_per_step * window_steps / elapsed
+            log.info("step %5d/%d | loss %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | %.2f TFLOP/s/rank",
+                     step + 1, cfg.trainer.max_steps, loss_avg.item(), lr, grad_norm.item(), tps,
+                     tps * fpt / denv.world_size / 1e12)
+            if not math.isfinite(loss_avg.item()):
+                raise FloatingPointError(f"non-finite loss at step {step + 1}")
+            window_t0, window_steps = time.perf_counter(), 0
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
