@@ -1,0 +1,187 @@
+"""Per-log-interval training metrics: a console line on rank 0 and one JSONL record per interval.
+
+The loop calls `record_step` after every optimizer step (with the StepTimer's phase times and,
+once the engine supplies them, its communication stats) and `log` at log steps on every rank
+(`log` runs one small all-gather for the straggler and memory view). Rank 0 appends the record to
+RUN_DIR/metrics.jsonl (append, so a resumed run continues the same file) and forwards it to an
+optional sink such as the wandb logger.
+
+Field meanings (times are means per step over the interval, in seconds):
+- tokens_per_s: global throughput over the interval's wall time; tokens_per_s_per_device divides
+  it by the world size; tflops_per_device uses models.llama.flops_per_token; mfu divides by the
+  per-device peak (None when no peak is known).
+- time_*: the step-time breakdown. time_exposed_comm_s is the engine's time spent waiting on
+  collectives; that wait happens inside the forward_backward/optimizer phases, so it is shown
+  next to them, not added to them. time_other_s is what no phase covered.
+- comm_bytes_intra_node / comm_bytes_inter_node: bytes per step as counted by rank 0's engine.
+- peak_memory_bytes: the largest per-rank peak (CUDA allocator peak, or process RSS on CPU).
+- step_time_*, slowest_rank: spread of the per-rank mean step times.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import pathlib
+import time
+from typing import Any, Callable, Protocol
+
+import torch
+
+from .memory import peak_memory_bytes
+from .peak import Peak
+from .stragglers import gather_rank_values, straggler_summary
+from .timer import PHASES
+
+log = logging.getLogger("metrics")
+
+# Keys of the per-step communication dict the engine passes to record_step.
+COMM_KEYS = ("bytes_intra_node", "bytes_inter_node", "exposed_s")
+
+
+class MetricsSink(Protocol):
+    def log_metrics(self, record: dict[str, Any], step: int) -> None: ...
+
+
+def _fmt_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    s = int(round(seconds))
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h:d}:{m:02d}:{s:02d}"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _json_safe(record: dict[str, Any]) -> dict[str, Any]:
+    # Strict JSON has no NaN/Infinity: a non-finite number (a diverged loss) is written as null.
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str | pathlib.Path, *, rank: int, world_size: int, total_steps: int,
+                 tokens_per_step: int, flops_per_token: float, device: torch.device, peak: Peak | None,
+                 sink: MetricsSink | None = None, filename: str = "metrics.jsonl",
+                 clock: Callable[[], float] = time.perf_counter):
+        self.rank, self.world_size = rank, world_size
+        self.total_steps = total_steps
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.device = device
+        self.peak = peak
+        self.sink = sink
+        self.path = pathlib.Path(run_dir) / filename
+        self._clock = clock
+        self._t_start = clock()
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self._window_t0: float | None = None
+        self._steps = 0
+        self._phase_sums = dict.fromkeys((*PHASES, "step"), 0.0)
+        self._comm_sums = dict.fromkeys(COMM_KEYS, 0.0)
+        self._comm_steps = 0
+
+    def record_step(self, timings: dict[str, float], comm: dict[str, float] | None = None) -> None:
+        """Account one finished step: StepTimer.end_step() output and the engine's comm stats."""
+        if "step" not in timings:
+            raise KeyError("record_step needs the step's total time under 'step' (StepTimer.end_step())")
+        if self._window_t0 is None:
+            # The window starts where its first step started, so setup time is not counted.
+            self._window_t0 = self._clock() - timings["step"]
+        for k, v in timings.items():
+            if k not in self._phase_sums:
+                raise KeyError(f"unknown step phase {k!r}; known: {', '.join(self._phase_sums)}")
+            self._phase_sums[k] += v
+        if comm is not None:
+            unknown = set(comm) - set(COMM_KEYS)
+            if unknown:
+                raise KeyError(f"unknown comm stats {sorted(unknown)}; known: {', '.join(COMM_KEYS)}")
+            for k in COMM_KEYS:
+                self._comm_sums[k] += float(comm.get(k, 0.0))
+            self._comm_steps += 1
+        self._steps += 1
+
+    def log(self, step: int, *, loss: float, lr: float, grad_norm: float, skipped_steps: int = 0,
+            extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Close the interval ending at `step` (steps completed, 1-based). Collective: every rank
+        calls it at the same steps. Returns the record on rank 0, None elsewhere."""
+        if self._steps == 0:
+            raise RuntimeError("MetricsLogger.log() with no recorded step in the interval")
+        now = self._clock()
+        n = self._steps
+        mean_step = self._phase_sums["step"] / n
+        per_rank = gather_rank_values([mean_step, float(peak_memory_bytes(self.device))], self.device)
+        wall = now - self._window_t0
+        record = self._build_record(step, n, wall, per_rank, float(loss), float(lr), float(grad_norm),
+                                    int(skipped_steps), now)
+        if extra:
+            record.update(extra)
+        self._reset_window()
+        if self.rank != 0:
+            return None
+        with self.path.open("a") as f:
+            f.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
+        log.info(self.console_line(record))
+        if self.sink is not None:
+            self.sink.log_metrics(record, step)
+        return record
+
+    def _build_record(self, step: int, n: int, wall: float, per_rank: list[list[float]], loss: float,
+                      lr: float, grad_norm: float, skipped: int, now: float) -> dict[str, Any]:
+        tps = self.tokens_per_step * n / wall
+        tps_dev = tps / self.world_size
+        flops_dev = tps_dev * self.flops_per_token
+        phases = {f"time_{p}_s": self._phase_sums[p] / n for p in PHASES}
+        mean_step = self._phase_sums["step"] / n
+        have_comm = self._comm_steps > 0
+        comm = {k: (self._comm_sums[k] / self._comm_steps if have_comm else None) for k in COMM_KEYS}
+        record: dict[str, Any] = {
+            "step": step, "total_steps": self.total_steps, "tokens": step * self.tokens_per_step,
+            "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            "tokens_per_s": tps, "tokens_per_s_per_device": tps_dev,
+            "tflops_per_device": flops_dev / 1e12,
+            "mfu": flops_dev / self.peak.flops if self.peak else None,
+            "peak_tflops_per_device": self.peak.flops / 1e12 if self.peak else None,
+            "step_time_s": mean_step, **phases,
+            "time_exposed_comm_s": comm["exposed_s"],
+            "time_other_s": max(0.0, mean_step - sum(phases.values())),
+            "comm_bytes_intra_node": comm["bytes_intra_node"],
+            "comm_bytes_inter_node": comm["bytes_inter_node"],
+            "peak_memory_bytes": int(max(r[1] for r in per_rank)),
+            **straggler_summary([r[0] for r in per_rank]),
+            "skipped_steps": skipped, "world_size": self.world_size,
+            "elapsed_s": now - self._t_start,
+            "eta_s": (self.total_steps - step) * wall / n,
+            "time": time.time(),
+        }
+        return record
+
+    @staticmethod
+    def console_line(r: dict[str, Any]) -> str:
+        pct = 100.0 * r["step"] / r["total_steps"] if r["total_steps"] else 100.0
+        parts = [
+            f"step {r['step']:5d}/{r['total_steps']} ({pct:.0f}%)",
+            f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}", f"grad norm {r['grad_norm']:.3f}",
+            f"{r['tokens_per_s']:.0f} tok/s ({r['tokens_per_s_per_device']:.0f}/dev)",
+            f"{r['tflops_per_device']:.3f} TFLOP/s/dev",
+            f"MFU {100 * r['mfu']:.1f}%" if r["mfu"] is not None else "MFU n/a",
+            "step {:.3f}s (data {:.3f} fwd+bwd {:.3f} opt {:.3f}{})".format(
+                r["step_time_s"], r["time_data_wait_s"], r["time_forward_backward_s"], r["time_optimizer_s"],
+                f" comm wait {r['time_exposed_comm_s']:.3f}" if r["time_exposed_comm_s"] is not None else ""),
+        ]
+        if r["comm_bytes_intra_node"] is not None:
+            parts.append(f"comm/step intra {_fmt_bytes(r['comm_bytes_intra_node'])} "
+                         f"inter {_fmt_bytes(r['comm_bytes_inter_node'])}")
+        parts.append(f"mem {_fmt_bytes(r['peak_memory_bytes'])}")
+        if r["world_size"] > 1:
+            parts.append(f"slowest rank {r['slowest_rank']} ({r['step_time_max_over_median']:.2f}x median)")
+        parts += [f"skipped {r['skipped_steps']}", f"ETA {_fmt_duration(r['eta_s'])}"]
+        return " | ".join(parts)

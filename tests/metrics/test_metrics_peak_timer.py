@@ -1,0 +1,76 @@
+"""Peak FLOP/s resolution (measured CPU peak with its disk cache, GPU table, override) and StepTimer."""
+import time
+
+import pytest
+import torch
+
+from amsp.metrics import peak as peak_mod
+from amsp.metrics import StepTimer, resolve_peak
+from amsp.metrics.memory import peak_memory_bytes
+
+
+def test_cpu_peak_is_measured_once_then_read_from_cache(tmp_path, monkeypatch):
+    calls = []
+    real = peak_mod.measure_matmul_flops
+
+    def counting(dtype, sizes=(256, 512), min_time_s=0.05):
+        calls.append(dtype)
+        return real(dtype, sizes=sizes, min_time_s=min_time_s)
+
+    monkeypatch.setattr(peak_mod, "measure_matmul_flops", counting)
+    first = resolve_peak(torch.device("cpu"), torch.float32, cache_dir=tmp_path)
+    # A real sgemm on any machine this runs on is between 1 GFLOP/s and 100 TFLOP/s.
+    assert 1e9 < first.flops < 1e14, first
+    second = resolve_peak(torch.device("cpu"), torch.float32, cache_dir=tmp_path)
+    assert second.flops == first.flops and "cached" in second.source
+    assert len(calls) == 1
+    # The cache key holds the thread count: another thread count measures again.
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if old != 1 else 2)
+        resolve_peak(torch.device("cpu"), torch.float32, cache_dir=tmp_path)
+    finally:
+        torch.set_num_threads(old)
+    assert len(calls) == 2
+    assert f"threads={old}" in (tmp_path / "cpu_matmul_peak.json").read_text()
+
+
+def test_override_and_gpu_table():
+    p = resolve_peak(torch.device("cpu"), torch.float32, override_tflops=123.0)
+    assert p.flops == 123e12 and "override" in p.source
+    with pytest.raises(ValueError, match="peak_tflops"):
+        resolve_peak(torch.device("cpu"), torch.float32, override_tflops=0.0)
+    assert peak_mod.cuda_table_peak("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989e12
+    assert peak_mod.cuda_table_peak("NVIDIA H100 PCIe", torch.bfloat16) == 756e12
+    assert peak_mod.cuda_table_peak("NVIDIA A100-SXM4-80GB", torch.bfloat16) == 312e12
+    assert peak_mod.cuda_table_peak("NVIDIA H100 80GB HBM3", torch.float32) is None
+    assert peak_mod.cuda_table_peak("Some Future GPU", torch.bfloat16) is None
+
+
+def test_step_timer_phases_accumulate_and_sum_below_step():
+    t = StepTimer()
+    t.start_step()
+    for _ in range(2):  # a phase entered per micro-batch accumulates
+        with t.phase("data_wait"):
+            time.sleep(0.01)
+    with t.phase("forward_backward"):
+        time.sleep(0.03)
+    out = t.end_step()
+    assert out["data_wait"] >= 0.02 and out["forward_backward"] >= 0.03 and out["optimizer"] == 0.0
+    assert out["step"] >= out["data_wait"] + out["forward_backward"]
+    with pytest.raises(RuntimeError, match="start_step"):
+        with t.phase("optimizer"):
+            pass
+    t.start_step()
+    with pytest.raises(KeyError, match="unknown step phase 'fwd'"):
+        with t.phase("fwd"):
+            pass
+
+
+def test_cpu_peak_memory_is_rss_and_grows():
+    before = peak_memory_bytes(torch.device("cpu"))
+    assert before > 10 * 2**20  # a Python process with torch loaded holds more than 10 MiB
+    big = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    after = peak_memory_bytes(torch.device("cpu"))
+    del big
+    assert after >= before + 32 * 2**20
