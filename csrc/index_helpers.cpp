@@ -1,0 +1,186 @@
+// Dataset index builders: bit-identical C++ versions of the pure functions in
+// data/index_builders.py (the reference and the specification; read its docstring first).
+//
+// All arithmetic is integer or IEEE double with no FMA contraction (the extension is compiled with
+// -ffp-contract=off), so every output equals the numpy reference exactly. Inputs are validated by
+// the Python wrapper (data/native_index.py) where the checks are cheap; what needs a pass over the
+// data is checked here with the reference's error text.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;
+constexpr uint64_t kMul1 = 0xBF58476D1CE4E5B9ULL;
+constexpr uint64_t kMul2 = 0x94D049BB133111EBULL;
+
+inline uint64_t splitmix64(uint64_t x) {
+  uint64_t z = x + kGolden;
+  z = (z ^ (z >> 30)) * kMul1;
+  z = (z ^ (z >> 27)) * kMul2;
+  return z ^ (z >> 31);
+}
+
+// Stable argsort of key(seed, stream, i) = splitmix64(base ^ i), written into out[0..n).
+// splitmix64 is a bijection, so keys are distinct; ordering by (key, i) still makes the result
+// equal to a stable sort by construction. Keys are uniform, so a bucket pass on the top bits
+// followed by small per-bucket sorts is O(n) expected and parallel over buckets.
+template <typename out_t>
+void permutation_into(int64_t n, uint64_t seed, uint64_t stream, out_t* out) {
+  if (n == 0) return;
+  const uint64_t base = splitmix64(splitmix64(seed) ^ stream);
+  int bits = 0;
+  while (bits < 22 && (int64_t(1) << (bits + 1)) * 16 <= n) ++bits;
+  const int64_t n_buckets = int64_t(1) << bits;
+  const int shift = 64 - bits;
+  auto bucket_of = [&](uint64_t key) -> int64_t { return bits == 0 ? 0 : int64_t(key >> shift); };
+
+  // Histogram per contiguous block of indices, then a stable scatter in block order.
+  const int64_t n_blocks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads() * 4, n / 65536 + 1));
+  std::vector<int64_t> counts(n_blocks * n_buckets, 0);
+  at::parallel_for(0, n_blocks, 1, [&](int64_t bb, int64_t be) {
+    for (int64_t b = bb; b < be; ++b) {
+      int64_t* cnt = counts.data() + b * n_buckets;
+      const int64_t i0 = n * b / n_blocks, i1 = n * (b + 1) / n_blocks;
+      for (int64_t i = i0; i < i1; ++i) ++cnt[bucket_of(splitmix64(base ^ uint64_t(i)))];
+    }
+  });
+  std::vector<int64_t> bucket_start(n_buckets + 1, 0);
+  {
+    int64_t pos = 0;
+    for (int64_t k = 0; k < n_buckets; ++k) {
+      bucket_start[k] = pos;
+      for (int64_t b = 0; b < n_blocks; ++b) {
+        int64_t& c = counts[b * n_buckets + k];
+        const int64_t here = c;
+        c = pos;  // becomes this block's write cursor for bucket k
+        pos += here;
+      }
+    }
+    bucket_start[n_buckets] = pos;
+  }
+  std::vector<std::pair<uint64_t, int64_t>> items(n);
+  at::parallel_for(0, n_blocks, 1, [&](int64_t bb, int64_t be) {
+    for (int64_t b = bb; b < be; ++b) {
+      int64_t* cursor = counts.data() + b * n_buckets;
+      const int64_t i0 = n * b / n_blocks, i1 = n * (b + 1) / n_blocks;
+      for (int64_t i = i0; i < i1; ++i) {
+        const uint64_t key = splitmix64(base ^ uint64_t(i));
+        items[cursor[bucket_of(key)]++] = {key, i};
+      }
+    }
+  });
+  at::parallel_for(0, n_buckets, 64, [&](int64_t kb, int64_t ke) {
+    for (int64_t k = kb; k < ke; ++k) {
+      auto first = items.begin() + bucket_start[k], last = items.begin() + bucket_start[k + 1];
+      std::sort(first, last);  // pairs compare by key, then by index: a stable order
+      for (auto it = first; it != last; ++it) out[it - items.begin()] = static_cast<out_t>(it->second);
+    }
+  });
+}
+
+at::Tensor permutation(int64_t n, int64_t seed, int64_t stream) {
+  TORCH_CHECK_VALUE(n >= 0, "permutation size must be >= 0, got ", n);
+  auto out = at::empty({n}, at::TensorOptions().dtype(at::kLong));
+  permutation_into<int64_t>(n, uint64_t(seed), uint64_t(stream), out.mutable_data_ptr<int64_t>());
+  return out;
+}
+
+at::Tensor build_doc_index(int64_t num_docs, int64_t num_epochs, int64_t seed) {
+  TORCH_CHECK_VALUE(num_docs < (int64_t(1) << 31), "build_doc_index: ", num_docs,
+                    " documents do not fit int32 document ids");
+  TORCH_CHECK_VALUE(num_epochs >= 1, "build_doc_index: num_epochs must be >= 1, got ", num_epochs);
+  TORCH_CHECK_VALUE(num_docs >= 0, "permutation size must be >= 0, got ", num_docs);
+  auto out = at::empty({num_docs * num_epochs}, at::TensorOptions().dtype(at::kInt));
+  int32_t* op = out.mutable_data_ptr<int32_t>();
+  for (int64_t e = 0; e < num_epochs; ++e) {
+    permutation_into<int32_t>(num_docs, uint64_t(seed), uint64_t(e), op + e * num_docs);
+  }
+  return out;
+}
+
+// Row i = (first row of doc_index whose cumulative end exceeds i * seq_len, offset in that document).
+at::Tensor build_sample_index(const at::Tensor& doc_lengths_in, const at::Tensor& doc_index_in, int64_t seq_len,
+                              int64_t num_samples) {
+  TORCH_CHECK_VALUE(seq_len >= 1 && num_samples >= 0, "build_sample_index: seq_len=", seq_len,
+                    " must be >= 1 and num_samples=", num_samples, " >= 0");
+  auto doc_lengths = doc_lengths_in.to(at::kLong).contiguous();
+  auto doc_index = doc_index_in.to(at::kLong).contiguous();
+  const int64_t n_docs = doc_lengths.numel(), n_rows = doc_index.numel();
+  const int64_t* lp = doc_lengths.const_data_ptr<int64_t>();
+  const int64_t* dp = doc_index.const_data_ptr<int64_t>();
+  std::vector<int64_t> ends(n_rows);
+  int64_t total = 0;
+  for (int64_t r = 0; r < n_rows; ++r) {
+    int64_t d = dp[r];
+    if (d < 0) d += n_docs;  // numpy's negative indexing
+    TORCH_CHECK_INDEX(d >= 0 && d < n_docs, "index ", dp[r], " is out of bounds for axis 0 with size ", n_docs);
+    total += lp[d];
+    ends[r] = total;
+  }
+  TORCH_CHECK_VALUE(num_samples * seq_len < total, "build_sample_index: ", num_samples, " samples of ", seq_len,
+                    "+1 tokens need more than the ", total, " tokens in doc_index");
+  auto out = at::empty({num_samples + 1, 2}, at::TensorOptions().dtype(at::kLong));
+  int64_t* op = out.mutable_data_ptr<int64_t>();
+  at::parallel_for(0, num_samples + 1, 16384, [&](int64_t begin, int64_t end) {
+    // Positions increase with i, so after one binary search the row only walks forward.
+    int64_t pos = begin * seq_len;
+    int64_t r = std::upper_bound(ends.begin(), ends.end(), pos) - ends.begin();
+    for (int64_t i = begin; i < end; ++i, pos += seq_len) {
+      while (ends[r] <= pos) ++r;
+      const int64_t d = dp[r] < 0 ? dp[r] + n_docs : dp[r];
+      op[2 * i] = r;
+      op[2 * i + 1] = pos - (ends[r] - lp[d]);
+    }
+  });
+  return out;
+}
+
+// Greedy blending over normalised weights (normalisation stays in numpy so the sum matches).
+std::tuple<at::Tensor, at::Tensor> build_blending_index(const at::Tensor& weights_in, int64_t size) {
+  auto weights = weights_in.to(at::kDouble).contiguous();
+  const int64_t n = weights.numel();
+  TORCH_CHECK_VALUE(n >= 1 && n <= 32767, "build_blending_index: need 1..32767 datasets, got ", n);
+  TORCH_CHECK_VALUE(size >= 0, "build_blending_index: size must be >= 0, got ", size);
+  const double* w = weights.const_data_ptr<double>();
+  auto dataset_index = at::empty({size}, at::TensorOptions().dtype(at::kShort));
+  auto dataset_sample_index = at::empty({size}, at::TensorOptions().dtype(at::kLong));
+  int16_t* di = dataset_index.mutable_data_ptr<int16_t>();
+  int64_t* dsi = dataset_sample_index.mutable_data_ptr<int64_t>();
+  std::vector<int64_t> counts(n, 0);
+  for (int64_t i = 0; i < size; ++i) {
+    const double x = static_cast<double>(std::max<int64_t>(i, 1));
+    int64_t best = 0;
+    double best_err = w[0] * x - static_cast<double>(counts[0]);
+    for (int64_t d = 1; d < n; ++d) {
+      const double err = w[d] * x - static_cast<double>(counts[d]);
+      if (err > best_err) {
+        best = d;
+        best_err = err;
+      }
+    }
+    di[i] = static_cast<int16_t>(best);
+    dsi[i] = counts[best]++;
+  }
+  return {dataset_index, dataset_sample_index};
+}
+
+}  // namespace
+
+// Defined with their kernels (a catch-all registration): some take no tensor at all, so there is no
+// dispatch key to route on, and none of them is differentiable.
+TORCH_LIBRARY(amsp_index, m) {
+  m.def("permutation(int n, int seed, int stream) -> Tensor", &permutation);
+  m.def("build_doc_index(int num_docs, int num_epochs, int seed) -> Tensor", &build_doc_index);
+  m.def("build_sample_index(Tensor doc_lengths, Tensor doc_index, int seq_len, int num_samples) -> Tensor",
+        &build_sample_index);
+  m.def("build_blending_index(Tensor weights, int size) -> (Tensor, Tensor)", &build_blending_index);
+}

@@ -1,0 +1,124 @@
+"""Builds and loads the native CPU extension (fused ops + dataset index helpers) once per environment.
+
+The sources are JIT-compiled with torch.utils.cpp_extension (g++, -O3, OpenMP, ninja) into
+`<repo>/.cache/torch_extensions/<name>-<hash>`, where the hash covers the sources, the flags, the
+torch version and the CPU capability; a second process (or pytest session) finds the library
+built and only pays the load. ninja's own up-to-date check and cpp_extension's file lock make
+concurrent first use from several processes safe.
+
+Ops are registered through TORCH_LIBRARY, so the library is loaded with `torch.ops.load_library`
+and no pybind11 module is compiled (that header alone costs tens of seconds per build).
+
+A failed build is not fatal: `load_extension()` returns None after exactly one warning naming the
+compiler error, and callers fall back to their pure-PyTorch references (and say so in their log).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC_DIR = Path(__file__).resolve().parent
+EXTENSION_NAME = "amsp_csrc_cpu"
+CPU_SOURCES = ("fused_cpu.cpp", "index_helpers.cpp")
+DISABLE_ENV = "AMSP_CSRC_DISABLE"  # set to 1 to skip building (e.g. to time the references)
+CACHE_ENV = "AMSP_CSRC_CACHE"
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "lib": path of the loaded library, or "error": why it is unavailable
+
+
+def cache_root() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    repo = CSRC_DIR.parent
+    if (repo / "pyproject.toml").exists():
+        return repo / ".cache" / "torch_extensions"
+    return Path.home() / ".cache" / "amsp_csrc" / "torch_extensions"
+
+
+def _cpu_flags() -> list[str]:
+    # ATen's Vectorized<T> uses AVX2 intrinsics only when CPU_CAPABILITY_AVX2 is defined and the
+    # compiler may emit them; the capability is part of the cache key so a cache is never reused on
+    # a machine that lacks it. No FMA contraction: the index builders must reproduce numpy's
+    # separately rounded double products and sums bit for bit.
+    flags = ["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off"]
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap in ("AVX2", "AVX512"):
+        flags += ["-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2", "-mavx2", "-mfma", "-mf16c"]
+    return flags
+
+
+def build_key(sources: list[Path], flags: list[str]) -> str:
+    h = hashlib.sha256()
+    for src in sources:
+        h.update(src.name.encode())
+        h.update(src.read_bytes())
+    h.update(" ".join(flags).encode())
+    h.update(torch.__version__.encode())
+    h.update(torch.backends.cpu.get_cpu_capability().encode())
+    return h.hexdigest()[:16]
+
+
+def _first_error_line(exc: BaseException) -> str:
+    text = str(exc)
+    for line in text.splitlines():
+        if re.search(r"\berror\b", line, re.IGNORECASE) and "Error building extension" not in line:
+            return line.strip()
+    return text.splitlines()[0].strip() if text.strip() else type(exc).__name__
+
+
+def build_and_load(name: str, sources: list[Path], verbose: bool = False) -> str:
+    """Compile (if not already cached) and load a TORCH_LIBRARY extension; returns the library path."""
+    from torch.utils.cpp_extension import load
+
+    if shutil.which("ninja") is None and not (Path(os.sys.executable).parent / "ninja").exists():
+        raise RuntimeError("ninja is not installed (pip install ninja)")
+    flags = _cpu_flags()
+    build_dir = cache_root() / f"{name}-{build_key(sources, flags)}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # cpp_extension finds ninja on PATH; the virtualenv's bin may not be on it when python is
+    # called by its full path.
+    venv_bin = str(Path(os.sys.executable).parent)
+    if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
+    load(name=name, sources=[str(s) for s in sources], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+         build_directory=str(build_dir), is_python_module=False, verbose=verbose)
+    return str(build_dir / f"{name}.so")
+
+
+def load_extension() -> str | None:
+    """The CPU extension's library path once loaded, or None (after one warning) if it cannot be built."""
+    with _lock:
+        if "lib" in _state:
+            return _state["lib"]  # type: ignore[return-value]
+        if "error" in _state:
+            return None
+        if os.environ.get(DISABLE_ENV) == "1":
+            _state["error"] = f"disabled by {DISABLE_ENV}=1"
+            log.info("csrc: native extension %s", _state["error"])
+            return None
+        try:
+            lib = build_and_load(EXTENSION_NAME, [CSRC_DIR / s for s in CPU_SOURCES])
+        except Exception as exc:  # any build or load failure: fall back, but loudly, once
+            _state["error"] = _first_error_line(exc)
+            warnings.warn(f"csrc: building the native CPU extension failed ({_state['error']}); "
+                          "using the pure-PyTorch references", RuntimeWarning, stacklevel=2)
+            return None
+        _state["lib"] = lib
+        log.info("csrc: loaded native CPU extension %s", lib)
+        return lib
+
+
+def unavailable_reason() -> str | None:
+    """Why the extension is not loaded (None when it is, or when loading was not attempted yet)."""
+    return _state.get("error")  # type: ignore[return-value]

@@ -1,0 +1,220 @@
+"""Fused CPU ops for the model (csrc/fused_cpu.cpp), selected by `model.fused=auto|on|off`.
+
+Thin wrapper: the kernels are torch custom ops (`torch.ops.amsp_fused.*`) defined in C++; their
+autograd formulas and fake (shape) implementations are registered here, next to the references
+they replace (models/llama/backends.py rms_norm_reference, model.py apply_rope and lm_loss,
+F.silu(a) * b). Every op takes its weight as a call argument and caches nothing, so a weight
+replaced by a view of a flat sharded buffer keeps working.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ALL_OPS = ("rms_norm", "rope", "swiglu", "linear_cross_entropy")
+
+# What `model.fused=auto` enables: only ops that beat eager by >= 1.2x in time or peak memory in
+# scripts/bench/bench_fused.py on this project's CPU machines. Measurements and the derivation:
+# BENCHMARKS.md, section "csrc fused CPU ops". Re-run the benchmark and update both together.
+AUTO_OPS: dict[str, str] = {}
+
+_registered = False
+_lock = threading.Lock()
+_logged: set[str] = set()
+
+
+def _log_once(msg: str, *args) -> None:
+    text = msg % args if args else msg
+    if text not in _logged:
+        _logged.add(text)
+        log.info(text)
+
+
+def _opmath(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _register() -> None:
+    """Autograd and fake implementations for the C++ ops (once per process)."""
+    lib = "amsp_fused"
+
+    @torch.library.register_fake(f"{lib}::rms_norm_fwd")
+    def _(x, weight, eps):
+        return x.new_empty(x.shape), x.new_empty(x.shape[0], dtype=_opmath(x.dtype))
+
+    @torch.library.register_fake(f"{lib}::rms_norm_bwd")
+    def _(dy, x, weight, rstd):
+        return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+    def rms_setup(ctx, inputs, output):
+        x, weight, _eps = inputs
+        ctx.mark_non_differentiable(output[1])
+        ctx.save_for_backward(x, weight, output[1])
+
+    def rms_backward(ctx, dy, _drstd):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = torch.ops.amsp_fused.rms_norm_bwd(dy, x, weight, rstd)
+        return dx, dw, None
+
+    torch.library.register_autograd(f"{lib}::rms_norm_fwd", rms_backward, setup_context=rms_setup)
+
+    for name in ("rope_fwd", "rope_bwd"):
+        torch.library.register_fake(f"{lib}::{name}")(lambda x, cos, sin: x.new_empty(x.shape))
+
+    def rope_setup(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1], inputs[2])
+
+    def rope_backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        return torch.ops.amsp_fused.rope_bwd(dy, cos, sin), None, None
+
+    torch.library.register_autograd(f"{lib}::rope_fwd", rope_backward, setup_context=rope_setup)
+
+    @torch.library.register_fake(f"{lib}::swiglu_fwd")
+    def _(a, b):
+        return a.new_empty(a.shape)
+
+    @torch.library.register_fake(f"{lib}::swiglu_bwd")
+    def _(dy, a, b):
+        return a.new_empty(a.shape), b.new_empty(b.shape)
+
+    def swiglu_setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def swiglu_backward(ctx, dy):
+        a, b = ctx.saved_tensors
+        return torch.ops.amsp_fused.swiglu_bwd(dy, a, b)
+
+    torch.library.register_autograd(f"{lib}::swiglu_fwd", swiglu_backward, setup_context=swiglu_setup)
+
+    @torch.library.register_fake(f"{lib}::linear_cross_entropy_fwd")
+    def _(h, weight, targets, ignore_index, chunk, compute_grad):
+        loss = h.new_empty((), dtype=_opmath(h.dtype))
+        if compute_grad:
+            return loss, h.new_empty(h.shape), weight.new_empty(weight.shape)
+        return loss, h.new_empty(0), h.new_empty(0)
+
+    def ce_setup(ctx, inputs, output):
+        # The forward already produced d(loss)/d(h) and d(loss)/d(W) for a unit upstream gradient.
+        _loss, grad_h, grad_w = output
+        ctx.mark_non_differentiable(grad_h, grad_w)
+        ctx.save_for_backward(grad_h, grad_w)
+
+    def ce_backward(ctx, dloss, _dgh, _dgw):
+        grad_h, grad_w = ctx.saved_tensors
+        if grad_h.numel() == 0:
+            raise RuntimeError("amsp_fused::linear_cross_entropy_fwd was called with compute_grad=False "
+                               "but a backward was requested")
+        return grad_h * dloss.to(grad_h.dtype), grad_w * dloss.to(grad_w.dtype), None, None, None, None
+
+    torch.library.register_autograd(f"{lib}::linear_cross_entropy_fwd", ce_backward, setup_context=ce_setup)
+
+
+def load_ops() -> str | None:
+    """Build/load the extension and register the ops' autograd; None (after one warning) if unavailable."""
+    global _registered
+    from csrc.loader import load_extension
+
+    lib = load_extension()
+    if lib is None:
+        return None
+    with _lock:
+        if not _registered:
+            _register()
+            _registered = True
+    return lib
+
+
+def resolve_fused(requested: str) -> frozenset[str]:
+    """The set of fused ops a model uses for `model.fused=requested`; logged once per choice."""
+    if requested == "off":
+        _log_once("fused ops: none (model.fused=off)")
+        return frozenset()
+    if requested not in ("auto", "on"):
+        raise ValueError(f"model.fused={requested!r} is not one of auto|on|off")
+    from csrc.loader import unavailable_reason
+
+    if load_ops() is None:
+        if requested == "on":
+            raise RuntimeError(f"model.fused=on needs the native CPU extension, which is unavailable: "
+                               f"{unavailable_reason()}; use model.fused=off")
+        _log_once("fused ops: none (model.fused=auto: native extension unavailable: %s)", unavailable_reason())
+        return frozenset()
+    if requested == "on":
+        _log_once("fused ops: %s (model.fused=on)", ", ".join(ALL_OPS))
+        return frozenset(ALL_OPS)
+    chosen = frozenset(AUTO_OPS)
+    skipped = [op for op in ALL_OPS if op not in chosen]
+    _log_once("fused ops: %s (model.fused=auto, per BENCHMARKS.md); eager: %s",
+              ", ".join(op for op in ALL_OPS if op in chosen) or "none", ", ".join(skipped) or "none")
+    return chosen
+
+
+def _native_ok(op: str, *tensors: torch.Tensor) -> bool:
+    # Only CPU kernels exist in this build; a CUDA tensor takes the reference, said once per op.
+    if all(t.device.type in ("cpu", "meta") for t in tensors):
+        return True
+    _log_once("fused %s: no kernel for device %s in this build; using the eager reference", op,
+              tensors[0].device.type)
+    return False
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Fused equivalent of backends.rms_norm_reference (same dtype rules: x and weight share a dtype)."""
+    if x.dtype != weight.dtype or not _native_ok("rms_norm", x, weight):
+        from .backends import rms_norm_reference
+
+        _log_once("fused rms_norm: x is %s but weight is %s; using the eager reference for such calls",
+                  x.dtype, weight.dtype) if x.dtype != weight.dtype else None
+        return rms_norm_reference(x, weight, eps)
+    y, _ = torch.ops.amsp_fused.rms_norm_fwd(x.reshape(-1, x.shape[-1]), weight, eps)
+    return y.view(x.shape)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Fused equivalent of model.apply_rope: x (B, S, H, D), cos/sin (S, D/2), interleaved pairs."""
+    if not _native_ok("rope", x):
+        from .model import apply_rope as reference
+
+        return reference(x, cos, sin)
+    return torch.ops.amsp_fused.rope_fwd(x, cos, sin)
+
+
+def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Fused silu(a) * b."""
+    if not _native_ok("swiglu", a, b):
+        return torch.nn.functional.silu(a) * b
+    return torch.ops.amsp_fused.swiglu_fwd(a, b)
+
+
+def default_chunk(vocab: int) -> int:
+    # About 8M logits (32 MiB in fp32) per chunk: large enough for efficient matmuls, small next
+    # to the full (tokens x vocab) block it replaces.
+    return max(1, (1 << 23) // max(vocab, 1))
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         ignore_index: int = -100, chunk: int | None = None) -> torch.Tensor:
+    """mean cross-entropy of (h @ weight.T) against targets (ignore_index skipped), float32 result.
+
+    h (..., D), weight (V, D), targets (...). Same value as model.lm_loss(F.linear(h, weight), targets)
+    without ever holding the (tokens x V) logits.
+    """
+    if h.dtype != weight.dtype or not _native_ok("linear_cross_entropy", h, weight):
+        from .model import lm_loss
+
+        if h.dtype != weight.dtype:
+            _log_once("fused linear_cross_entropy: h is %s but weight is %s; using the eager reference",
+                      h.dtype, weight.dtype)
+        return lm_loss(torch.nn.functional.linear(h, weight).unflatten(0, (1, -1)) if h.dim() == 2
+                       else torch.nn.functional.linear(h, weight), targets)
+    h2 = h.reshape(-1, h.shape[-1])
+    compute_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    chunk = chunk or default_chunk(weight.shape[0])
+    loss, _, _ = torch.ops.amsp_fused.linear_cross_entropy_fwd(h2, weight, targets.reshape(-1), ignore_index,
+                                                               chunk, compute_grad)
+    return loss
