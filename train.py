@@ -13,7 +13,6 @@ import math
 import os
 import pathlib
 import sys
-import time
 
 import hydra
 import torch
@@ -21,6 +20,9 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from amsp.launch import DistEnv, init_distributed
+from amsp.metrics import MetricsLogger, StepTimer, resolve_peak
+from amsp.metrics.plot import plot_run
+from amsp.metrics.wandb_logger import WandbLogger
 from amsp.optim import WarmupCosine, param_groups
 from configs.schema import register_configs, to_llama_config
 from data.temporary_text import TemporaryStdlibBytes
@@ -84,6 +86,25 @@ def average_gradients(model: torch.nn.Module, world: int) -> None:
             p.grad.div_(world)
 
 
+def make_wandb(cfg: DictConfig, run_dir: pathlib.Path, rank: int, resume_id: str | None) -> WandbLogger:
+    w = cfg.logging.wandb
+    return WandbLogger(mode=w.mode, run_dir=run_dir, config=OmegaConf.to_container(cfg, resolve=True), rank=rank,
+                       project=w.project, entity=w.entity, name=w.name, tags=list(w.tags), group=w.group,
+                       resume_id=resume_id)
+
+
+def make_metrics(cfg: DictConfig, denv: DistEnv, run_dir: pathlib.Path, device: torch.device,
+                 dtype: torch.dtype, tokens_per_step: int, fpt: float, sink: WandbLogger) -> MetricsLogger:
+    # Only rank 0 reports MFU, so only it measures (or looks up) the peak.
+    cluster_tflops = cfg.cluster.peak_tflops if "cluster" in cfg else None
+    peak = resolve_peak(device, dtype, cfg.logging.peak_tflops, cluster_tflops) if denv.is_main else None
+    if peak is not None:
+        log.info("MFU peak: %.1f TFLOP/s per device (%s)", peak.flops / 1e12, peak.source)
+    return MetricsLogger(run_dir, rank=denv.rank, world_size=denv.world_size, total_steps=cfg.trainer.max_steps,
+                         tokens_per_step=tokens_per_step, flops_per_token=fpt, device=device, peak=peak,
+                         sink=sink)
+
+
 @hydra.main(version_base=None, config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
     denv = init_distributed()
@@ -120,37 +141,43 @@ def main(cfg: DictConfig) -> None:
         raise ValueError(f"the temporary byte source needs vocab_size >= 256, model has {model_cfg.vocab_size}")
 
     tokens_per_step = gbs * seq_len
-    window_t0, window_steps = time.perf_counter(), 0
+    # TODO(checkpointing): pass the run id stored in the checkpoint as resume_id.
+    wandb_run = make_wandb(cfg, run_dir, denv.rank, resume_id=None)
+    metrics = make_metrics(cfg, denv, run_dir, device, dtype, tokens_per_step, fpt, wandb_run)
+    timer = StepTimer(sync=torch.cuda.synchronize if device.type == "cuda" else None)
     for step in range(cfg.trainer.max_steps):
+        timer.start_step()
         lr = schedule(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=device)
         for micro in range(accum):
             x, y = source.batch(step, micro, denv.rank, mbs)
+            timer.lap("data_wait")
             loss = model(x.to(device), y.to(device))
             (loss / accum).backward()
             loss_sum += loss.detach()
+            timer.lap("forward_backward")
         average_gradients(model, denv.world_size)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        timer.lap("optimizer")
 
         loss_avg = loss_sum / accum
         if denv.world_size > 1:
             dist.all_reduce(loss_avg)
             loss_avg /= denv.world_size
-        window_steps += 1
+        # The engine will pass its per-step communication stats here (comm=..., see amsp.metrics.COMM_KEYS).
+        metrics.record_step(timer.end_step())
         if (step + 1) % cfg.trainer.log_interval == 0 or step + 1 == cfg.trainer.max_steps:
-            elapsed = time.perf_counter() - window_t0
-            tps = tokens_per_step * window_steps / elapsed
-            log.info("step %5d/%d | loss %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | %.2f TFLOP/s/rank",
-                     step + 1, cfg.trainer.max_steps, loss_avg.item(), lr, grad_norm.item(), tps,
-                     tps * fpt / denv.world_size / 1e12)
+            metrics.log(step + 1, loss=loss_avg.item(), lr=lr, grad_norm=grad_norm.item())
             if not math.isfinite(loss_avg.item()):
                 raise FloatingPointError(f"non-finite loss at step {step + 1}")
-            window_t0, window_steps = time.perf_counter(), 0
 
+    wandb_run.finish()
+    if denv.is_main and cfg.logging.plot:
+        log.info("metrics plot: %s", plot_run(run_dir))
     if dist.is_initialized():
         dist.destroy_process_group()
 

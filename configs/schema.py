@@ -57,8 +57,23 @@ class TrainerConfig:
 
 
 @dataclass
+class WandbConfig:
+    mode: str = "offline"  # online | offline (written under RUN_DIR/wandb, `wandb sync` later) | disabled
+    project: str = "amsp-llama"
+    entity: Optional[str] = None
+    name: Optional[str] = "${trainer.run_name}"
+    tags: List[str] = field(default_factory=list)
+    group: Optional[str] = None
+
+
+@dataclass
 class LoggingConfig:
     level: str = "INFO"
+    # Per-device dense peak for MFU in TFLOP/s. None = auto: the GPU's datasheet peak, or on CPU a
+    # measured matmul peak cached under $AMSP_CACHE_DIR (default ~/.cache/amsp).
+    peak_tflops: Optional[float] = None
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    plot: bool = True  # write RUN_DIR/metrics.png at the end of a run (python -m amsp.metrics.plot RUN_DIR)
 
 
 @dataclass
