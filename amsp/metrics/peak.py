@@ -111,12 +111,15 @@ def cpu_measured_peak(dtype: torch.dtype = torch.float32, cache_dir: pathlib.Pat
 
 
 def resolve_peak(device: torch.device, dtype: torch.dtype, override_tflops: float | None = None,
-                 cache_dir: pathlib.Path | None = None) -> Peak | None:
-    """The per-device peak for MFU, or None (MFU not reported) for an unknown GPU without override."""
-    if override_tflops is not None:
-        if override_tflops <= 0:
-            raise ValueError(f"logging.peak_tflops must be positive, got {override_tflops}")
-        return Peak(override_tflops * 1e12, "logging.peak_tflops override")
+                 cluster_tflops: float | None = None, cache_dir: pathlib.Path | None = None) -> Peak | None:
+    """The per-device peak for MFU, or None (MFU not reported) for an unknown GPU without override.
+
+    Precedence: logging.peak_tflops, then the cluster config's peak_tflops, then auto."""
+    for value, name in ((override_tflops, "logging.peak_tflops override"), (cluster_tflops, "cluster.peak_tflops")):
+        if value is not None:
+            if value <= 0:
+                raise ValueError(f"{name.split()[0]} must be positive, got {value}")
+            return Peak(value * 1e12, name)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         flops = cuda_table_peak(name, dtype)

@@ -40,6 +40,8 @@ def test_override_and_gpu_table():
     assert p.flops == 123e12 and "override" in p.source
     with pytest.raises(ValueError, match="peak_tflops"):
         resolve_peak(torch.device("cpu"), torch.float32, override_tflops=0.0)
+    assert resolve_peak(torch.device("cpu"), torch.float32, cluster_tflops=50.0).flops == 50e12
+    assert resolve_peak(torch.device("cpu"), torch.float32, 7.0, cluster_tflops=50.0).flops == 7e12
     assert peak_mod.cuda_table_peak("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989e12
     assert peak_mod.cuda_table_peak("NVIDIA H100 PCIe", torch.bfloat16) == 756e12
     assert peak_mod.cuda_table_peak("NVIDIA A100-SXM4-80GB", torch.bfloat16) == 312e12
@@ -58,6 +60,15 @@ def test_step_timer_phases_accumulate_and_sum_below_step():
     out = t.end_step()
     assert out["data_wait"] >= 0.02 and out["forward_backward"] >= 0.03 and out["optimizer"] == 0.0
     assert out["step"] >= out["data_wait"] + out["forward_backward"]
+    # lap() charges the time since the previous mark, so one line after each part is enough.
+    t.start_step()
+    time.sleep(0.01)
+    t.lap("data_wait")
+    time.sleep(0.02)
+    t.lap("optimizer")
+    laps = t.end_step()
+    assert laps["data_wait"] >= 0.01 and laps["optimizer"] >= 0.02 and laps["forward_backward"] == 0.0
+    assert laps["data_wait"] + laps["optimizer"] <= laps["step"]
     with pytest.raises(RuntimeError, match="start_step"):
         with t.phase("optimizer"):
             pass
