@@ -7,7 +7,7 @@ Model presets are registered from models.llama.PRESETS, so the shapes have one s
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -82,6 +82,44 @@ class AMSPConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """The machines, for the partitioner (amsp/planner/cluster.py): presets in configs/cluster/.
+
+    Bandwidth tables map a message size ("1MiB") to the NCCL-tests bus bandwidth in GB/s per
+    collective kind; intra_node is per rank, inter_node per node (all its NICs). Missing tables use
+    the alpha-beta figures. nodes / ranks_per_node are overridden by the launcher at run time."""
+    name: str = "cpu"
+    nodes: int = 1
+    ranks_per_node: int = 1
+    device_memory_gib: Optional[float] = None  # None: measured at run time (cpu)
+    peak_tflops: Optional[float] = None  # dense, training dtype; None: measured at run time (cpu)
+    memory_bandwidth_gbs: float = 10.0
+    dtype: str = "fp32"  # what trainer.dtype=auto means on this cluster
+    intra_node: Dict[str, Any] = field(default_factory=dict)  # kind -> {size: GB/s}; checked on load
+    inter_node: Dict[str, Any] = field(default_factory=dict)
+    intra_latency_us: float = 50.0
+    intra_bandwidth_gbs: float = 2.0
+    inter_latency_us: float = 50.0
+    inter_bandwidth_gbs: float = 2.0
+
+
+@dataclass
+class PlannerConfig:
+    """The partitioner's knobs (amsp/planner): used when amsp.plan=auto and by python -m amsp.planner."""
+    probe: bool = True  # measure collective bandwidths on the real ranks at startup (else the preset)
+    probe_cache: bool = True  # reuse a probe cached for the same cluster shape
+    cache_dir: Optional[str] = None  # None: $AMSP_CACHE_DIR/probe (default ~/.cache/amsp/probe)
+    mfu: float = 0.45  # assumed hardware FLOP utilisation of the compute (recomputation counted)
+    memory_margin: float = 0.08  # fraction of device memory kept free (allocator fragmentation)
+    reserved_gib: float = 1.0  # runtime context, workspaces, kernels
+    tp: int = 1  # fixed tensor-parallel degree (model parallelism plugs in later)
+    pp: int = 1  # fixed pipeline-parallel degree
+    overlap_spread: bool = True  # the parameter spread may overlap the next forward
+    top_k: int = 10  # alternatives shown in the table
+    time_limit_s: float = 20.0  # CBC wall-clock limit
+
+
+@dataclass
 class TrainConfig:
     defaults: List[Any] = field(default_factory=list)
     model: ModelConfig = MISSING
@@ -90,6 +128,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     amsp: AMSPConfig = field(default_factory=AMSPConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
 def register_configs() -> None:
@@ -102,6 +141,7 @@ def register_configs() -> None:
     cs.store(group="data", name="data_schema", node=DataConfig)
     cs.store(group="logging", name="logging_schema", node=LoggingConfig)
     cs.store(group="amsp", name="amsp_schema", node=AMSPConfig)
+    cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)
 
 
 def to_llama_config(model_cfg: Any) -> LlamaConfig:

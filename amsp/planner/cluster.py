@@ -1,0 +1,185 @@
+"""What the planner knows about the machines: shape, memory, peak FLOP/s and collective bandwidths.
+
+Bandwidths follow the NCCL-tests "bus bandwidth" convention, so one number per point describes a
+collective independently of the group size:
+  time = bytes * factor(n) / busbw,  factor = (n-1)/n for all_gather (bytes = gathered output) and
+  reduce_scatter (bytes = input), 2(n-1)/n for all_reduce.
+Two scopes per collective kind:
+  * intra: per-rank bus bandwidth of a collective whose group lies inside one node;
+  * inter: bus bandwidth through one node's network interfaces (all NICs together), the resource
+    that every group crossing that node's boundary shares (DESIGN.md §3; see cost_model.py).
+Each scope holds (message bytes -> GB/s) points, interpolated linearly in log(message size) and
+clamped at the ends. A kind/scope without points uses the alpha-beta fallback
+  time = latency + bytes * factor / bandwidth,
+whose use is logged once, so a missing measurement never goes unnoticed.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import re
+from dataclasses import dataclass, field, replace
+from typing import Mapping
+
+log = logging.getLogger(__name__)
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+SCOPES = ("intra", "inter")
+_UNITS = {"B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+_warned: set = set()
+
+
+def parse_size(text: str | int | float) -> int:
+    """'64KiB' / '16MiB' / 1048576 -> bytes."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or (m.group(2).upper() or "B") not in _UNITS:
+        raise ValueError(f"cannot read message size {text!r}; write e.g. 64KiB, 16MiB, 1GiB or a byte count")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper() or "B"])
+
+
+def format_size(n: float) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return f"{n:.0f}B"
+
+
+def ring_factor(kind: str, n: int) -> float:
+    if kind not in KINDS:
+        raise KeyError(f"unknown collective kind {kind!r}; expected one of {KINDS}")
+    if n <= 1:
+        return 0.0
+    return (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n
+
+
+@dataclass(frozen=True)
+class BandwidthCurve:
+    """Effective bus bandwidth (GB/s) against message size, interpolated in log(size)."""
+
+    points: tuple[tuple[int, float], ...]  # sorted (bytes, GB/s)
+
+    def __post_init__(self) -> None:
+        if not self.points:
+            raise ValueError("a bandwidth curve needs at least one point")
+        if any(bw <= 0 or size <= 0 for size, bw in self.points):
+            raise ValueError(f"bandwidth points must be positive: {self.points}")
+
+    @classmethod
+    def from_mapping(cls, m: Mapping) -> "BandwidthCurve":
+        return cls(tuple(sorted((parse_size(k), float(v)) for k, v in m.items())))
+
+    def gbps(self, size: float) -> float:
+        sizes = [s for s, _ in self.points]
+        if size <= sizes[0]:
+            return self.points[0][1]
+        if size >= sizes[-1]:
+            return self.points[-1][1]
+        i = bisect.bisect_right(sizes, size)
+        (s0, b0), (s1, b1) = self.points[i - 1], self.points[i]
+        w = (math.log(size) - math.log(s0)) / (math.log(s1) - math.log(s0))
+        return b0 + w * (b1 - b0)
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    latency_s: float
+    gbps: float  # bus bandwidth in the same convention as the curves
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str
+    nodes: int
+    ranks_per_node: int
+    device_memory_bytes: int
+    peak_flops: float  # dense FLOP/s per device in the training dtype
+    memory_bandwidth_gbs: float  # device memory bandwidth: prices the memory-bound optimizer step
+    dtype: str  # training dtype this cluster runs by default: bf16 on GPUs, fp32 on CPUs
+    curves: Mapping[tuple[str, str], BandwidthCurve] = field(default_factory=dict)  # (kind, scope)
+    fallback: Mapping[str, AlphaBeta] = field(default_factory=dict)  # scope -> alpha-beta
+    source: str = "preset"  # preset | probe | cache: where the curves came from
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.ranks_per_node < 1:
+            raise ValueError(f"cluster {self.name}: nodes={self.nodes} and ranks_per_node={self.ranks_per_node} "
+                             f"must be positive")
+        if self.device_memory_bytes <= 0 or self.peak_flops <= 0:
+            raise ValueError(f"cluster {self.name}: device memory and peak FLOP/s must be positive")
+        for scope in SCOPES:
+            if scope not in self.fallback and any((k, scope) not in self.curves for k in KINDS):
+                raise ValueError(f"cluster {self.name}: scope {scope!r} has neither bandwidth points for every "
+                                 f"collective nor an alpha-beta fallback")
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def with_shape(self, nodes: int, ranks_per_node: int) -> "ClusterSpec":
+        return replace(self, nodes=nodes, ranks_per_node=ranks_per_node)
+
+    def collective_time(self, kind: str, scope: str, nbytes: float, factor: float) -> float:
+        """Seconds to move nbytes*factor at this scope's bus bandwidth for a message of nbytes."""
+        if factor == 0:
+            return 0.0
+        curve = self.curves.get((kind, scope))
+        if curve is not None:
+            return nbytes * factor / (curve.gbps(nbytes) * 1e9)
+        ab = self.fallback[scope]
+        if (self.name, kind, scope) not in _warned:
+            _warned.add((self.name, kind, scope))
+            log.info("cluster %s: no %s bandwidth points for %s; using alpha-beta %.1f us + %.2f GB/s",
+                     self.name, scope, kind, ab.latency_s * 1e6, ab.gbps)
+        return ab.latency_s + nbytes * factor / (ab.gbps * 1e9)
+
+    def describe(self) -> str:
+        lines = [f"cluster {self.name}: {self.nodes} node(s) x {self.ranks_per_node} ranks, "
+                 f"{self.device_memory_bytes / 2**30:.1f} GiB/device, peak {self.peak_flops / 1e12:.1f} TFLOP/s "
+                 f"({self.dtype}), bandwidths from {self.source} (bus GB/s; inter = per node)"]
+        for scope in SCOPES:
+            for kind in KINDS:
+                c = self.curves.get((kind, scope))
+                if c is not None:
+                    pts = "  ".join(f"{format_size(s)}:{bw:.3g}" for s, bw in c.points)
+                else:
+                    ab = self.fallback[scope]
+                    pts = f"alpha-beta {ab.latency_s * 1e6:.0f} us + {ab.gbps:.3g} GB/s"
+                lines.append(f"  {scope:5s} {kind:14s} {pts}")
+        return "\n".join(lines)
+
+
+def curves_from_config(tables: Mapping | None, scope: str) -> dict[tuple[str, str], BandwidthCurve]:
+    out = {}
+    for kind, pts in (tables or {}).items():
+        if kind not in KINDS:
+            raise ValueError(f"cluster bandwidth table names unknown collective {kind!r}; expected one of {KINDS}")
+        if pts:
+            out[(kind, scope)] = BandwidthCurve.from_mapping(pts)
+    return out
+
+
+def cluster_from_config(c, nodes: int | None = None, ranks_per_node: int | None = None) -> ClusterSpec:
+    """A ClusterSpec from the Hydra `cluster` node (configs/schema.py ClusterConfig).
+
+    nodes / ranks_per_node from the launcher take precedence over the preset's shape."""
+    from omegaconf import OmegaConf
+
+    d = OmegaConf.to_container(c, resolve=True) if not isinstance(c, dict) else dict(c)
+    curves = curves_from_config(d.get("intra_node"), "intra")
+    curves.update(curves_from_config(d.get("inter_node"), "inter"))
+    fallback = {
+        "intra": AlphaBeta(d["intra_latency_us"] * 1e-6, d["intra_bandwidth_gbs"]),
+        "inter": AlphaBeta(d["inter_latency_us"] * 1e-6, d["inter_bandwidth_gbs"]),
+    }
+    if d.get("peak_tflops") is None:
+        raise ValueError(f"cluster {d['name']}: peak_tflops is unset; it is measured only at run time "
+                         f"(cluster=cpu inside train.py) or must be given (cluster.peak_tflops=...)")
+    if d.get("device_memory_gib") is None:
+        raise ValueError(f"cluster {d['name']}: device_memory_gib is unset; give cluster.device_memory_gib=...")
+    return ClusterSpec(
+        name=d["name"], nodes=nodes or d["nodes"], ranks_per_node=ranks_per_node or d["ranks_per_node"],
+        device_memory_bytes=int(d["device_memory_gib"] * 2**30), peak_flops=d["peak_tflops"] * 1e12,
+        memory_bandwidth_gbs=d["memory_bandwidth_gbs"], dtype=d["dtype"], curves=curves, fallback=fallback,
+        source="preset" if curves else "alpha-beta")

@@ -1,0 +1,323 @@
+"""Per-rank memory and per-step time of a plan: the function the solver minimises.
+
+Communication prices exactly the collectives of amsp.schedule (same phases, byte counts and call
+counts; tests/planner compare the byte totals for every plan). The group layouts are derived
+analytically here, so pricing 16384 ranks never builds rank lists; tests check them against
+amsp.topology.
+
+Time of one collective call (kind, bytes per rank, group of n = k members on each of m nodes),
+with the bus-bandwidth factor f = (n-1)/n (x2 for all_reduce), R ranks per node:
+  m = 1: bytes*f / intra_busbw(bytes)
+  m > 1: max(intra part, inter part), inter = (R/k) * bytes*f / node_busbw(bytes)
+A ring over the group crosses each node boundary once per direction, so one group pushes bytes*f
+through a node's NICs whatever k is; the R/k groups of the same collective on that node run at once
+and share the NICs (DESIGN.md §3). So DDP's all_reduce of the full gradient (k = R, one group) and
+the all_reduce of 1/R shards among one rank per node (k = 1, R groups) load a node's NICs equally;
+what differs is the intra-node work and how often each runs. Beyond 2 nodes, each doubling of the
+node count adds one inter-node latency (tree / hierarchical algorithms).
+
+Exposed time: the step is compute plus communication that compute cannot hide. Rules per unit, for
+M micro-batches (F, B: forward / backward compute of one block; B includes recomputation):
+  * forward all_gather of a unit overlaps the forward of the unit before it (one-unit prefetch):
+    blocks and the head hide behind F, the embedding (first unit) behind nothing;
+  * backward all_gather overlaps the backward of the unit after it, and the gradient
+    reduce_scatter the backward of the unit before it: a block's gather + reduce-scatter share one
+    window B; the head's gather (first in backward) is exposed, its reduce-scatter hides behind B;
+    the embedding's gather hides behind B, its reduce-scatter (last in backward) is exposed;
+  * the step-level reductions (grad_to_os, grad_replica) join the reduce-scatter's window in the
+    last micro-batch ("bucket by bucket" under the remaining backward);
+  * the parameter spread joins the forward gather's window in the first micro-batch when
+    overlap_spread is on, else it is exposed;
+  * the optimizer step over the OS shard is memory-bound and exposed.
+Each unit's exposure depends only on its own degrees and on fixed compute windows, so the step time
+is a constant plus a sum of per-group terms: the ILP optimises exactly this function (contention
+between a boundary unit's traffic and its neighbouring block's is ignored, the one approximation
+this buys).
+
+Objective = step time + COMM_TIEBREAK x unhidden communication time. When the step is compute-bound
+many plans hide their traffic equally well; the small second term then prefers the plan that moves
+less (fewer bytes across nodes), which is the robust choice when the overlap assumptions are off.
+It is a sum of per-group terms as well.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from amsp.plan import Degrees, Plan, UNIT_GROUPS, enumerate_degrees
+from amsp.schedule import Unit, padded_numel
+
+from .cluster import ClusterSpec, ring_factor
+from .workload import Workload
+
+ADAM_BYTES_PER_ELEM = 28  # read grad+master+m+v, write master+m+v (fp32); plus the compute-weight write
+COMM_TIEBREAK = 0.01
+PHASES = ("forward", "backward", "grad", "grad_to_os", "grad_replica", "spread", "grad_norm")
+
+
+@dataclass(frozen=True)
+class Options:
+    mfu: float = 0.45
+    memory_margin: float = 0.08
+    reserved_bytes: int = 1 << 30
+    overlap_spread: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 < self.mfu <= 1:
+            raise ValueError(f"assumed MFU must be in (0, 1], got {self.mfu}")
+        if not 0 <= self.memory_margin < 1:
+            raise ValueError(f"memory margin must be in [0, 1), got {self.memory_margin}")
+
+
+@dataclass(frozen=True)
+class Priced:
+    phase: str
+    kind: str
+    unit: str
+    group_size: int
+    members_per_node: int
+    nodes: int
+    bytes: int  # per call per rank (amsp.schedule convention)
+    count: int  # calls per step
+    seconds: float  # per call
+
+    @property
+    def crosses_nodes(self) -> bool:
+        return self.nodes > 1
+
+
+def layout(key: str, deg: Degrees, r: int, n: int) -> tuple[int, int, int]:
+    """(group size, members per node, nodes) of a group that amsp.topology builds, analytically."""
+    def shard(d):
+        k = min(d, r)
+        return d, k, d // k
+
+    def strided(outer, stride):  # ranks `stride` apart inside an `outer`-rank shard group
+        size = outer // stride
+        if outer <= r:
+            return size, size, 1
+        if stride < r:
+            return size, r // stride, outer // r
+        return size, 1, size
+
+    if key == "p":
+        return shard(deg.p)
+    if key == "g":
+        return shard(deg.g)
+    if key == "g_to_os":
+        return strided(deg.os, deg.g)
+    if key == "spread":
+        return strided(deg.os, deg.p)
+    if key == "os_replica":
+        return strided(n, deg.os)
+    if key == "world":
+        return shard(n)
+    raise KeyError(key)
+
+
+_PHASE_SPEC = (  # phase, kind, group key, elements divisor, dtype ('p' or 'g'), per micro-batch
+    ("forward", "all_gather", "p", "1", "p", True),
+    ("backward", "all_gather", "p", "1", "p", True),
+    ("grad", "reduce_scatter", "g", "1", "g", True),
+    ("grad_to_os", "reduce_scatter", "g_to_os", "g", "g", False),
+    ("grad_replica", "all_reduce", "os_replica", "os", "g", False),
+    ("spread", "all_gather", "spread", "p", "p", False),
+)
+
+
+@dataclass
+class GroupCost:
+    """The per-group terms the solver combines: exposed seconds, model-state bytes, gathered bytes."""
+    exposed_s: float
+    comm_s: float  # unhidden communication seconds per step (before overlap)
+    state_bytes: int
+    gathered_bytes: dict  # role -> bytes of one gathered unit (0 when p = 1)
+    parts: dict = field(default_factory=dict)  # params / grads / optim bytes
+    exposed_by_phase: dict = field(default_factory=dict)
+
+
+class CostModel:
+    def __init__(self, workload: Workload, cluster: ClusterSpec, options: Options = Options()):
+        self.w, self.c, self.o = workload, cluster, options
+        tp, pp = workload.tp, workload.pp
+        if cluster.ranks_per_node % tp:
+            raise ValueError(f"tensor-parallel degree tp={tp} must divide ranks_per_node={cluster.ranks_per_node} "
+                             f"(tensor parallelism stays inside a node)")
+        if cluster.world % (tp * pp):
+            raise ValueError(f"tp*pp={tp * pp} must divide the world size {cluster.world}")
+        self.dp_world = cluster.world // (tp * pp)
+        self.dp_per_node = min(cluster.ranks_per_node // tp, self.dp_world)
+        if self.dp_world % self.dp_per_node:
+            raise ValueError(f"data-parallel world {self.dp_world} is not a whole number of nodes of "
+                             f"{self.dp_per_node} data-parallel ranks")
+        self.rate = cluster.peak_flops * options.mfu
+        self.F = workload.block_forward_flops() / self.rate
+        self.B = workload.block_backward_flops() / self.rate
+        self.head_F = workload.head_forward_flops() / self.rate
+        self._pb = workload.precision.param_bytes
+        self._gb = workload.precision.grad_bytes
+        self._numel = {"embedding": workload.embedding_numel, "block": workload.block_numel,
+                       "head": workload.head_numel}
+        self._cache: dict = {}
+
+    # ---- candidates and constants ----
+    def candidates(self) -> list[Degrees]:
+        return enumerate_degrees(self.dp_world, self.dp_per_node)
+
+    def compute_s(self) -> float:
+        per_mb = self.w.layers * (self.F + self.B) + 3 * self.head_F
+        return per_mb * self.w.micro_batches * (1 + self.w.pipeline_bubble())
+
+    def grad_norm(self) -> list[Priced]:
+        if self.dp_world * self.w.tp * self.w.pp == 1:
+            return []
+        n, k, m = layout("world", Degrees(1, 1, 1), self.dp_per_node, self.dp_world)
+        return [self._price("grad_norm", "all_reduce", "*", n, k, m, 4, 1)]
+
+    def constant_time_s(self) -> float:
+        return self.compute_s() + sum(x.seconds * x.count for x in self.grad_norm())
+
+    def constant_objective(self) -> float:
+        return self.constant_time_s() + COMM_TIEBREAK * sum(x.seconds * x.count for x in self.grad_norm())
+
+    def memory_budget(self) -> float:
+        return self.c.device_memory_bytes * (1 - self.o.memory_margin) - self.o.reserved_bytes
+
+    def buffer_pairs(self) -> list[tuple[str, str]]:
+        """Unit roles gathered at the same time (current + prefetched next), in forward order."""
+        pairs = [("embedding", "block"), ("block", "head")]
+        return pairs + ([("block", "block")] if self.w.layers >= 2 else [])
+
+    def grad_buffer_bytes(self) -> float:
+        """A unit's full gradient in flight to its reduce-scatter while the next one is produced."""
+        return max(self._numel[a] + self._numel[b] for a, b in self.buffer_pairs()) * self._gb
+
+    def constant_memory(self) -> dict:
+        return {"activations": self.w.activation_bytes(), "buckets": self.grad_buffer_bytes()}
+
+    # ---- pricing ----
+    def _price(self, phase, kind, unit, n, k, m, nbytes, count) -> Priced:
+        f = ring_factor(kind, n)
+        if m == 1:
+            t = self.c.collective_time(kind, "intra", nbytes, f)
+        else:
+            conc = self.c.ranks_per_node / k  # every group of this collective on a node shares its NICs
+            t_inter = self.c.collective_time(kind, "inter", nbytes, f * conc)
+            t_inter += self.c.fallback["inter"].latency_s * max(0, math.ceil(math.log2(m)) - 1)
+            t_intra = self.c.collective_time(kind, "intra", nbytes, ring_factor(kind, k)) if k > 1 else 0.0
+            t = max(t_inter, t_intra)
+        return Priced(phase, kind, unit, n, k, m, nbytes, count, t)
+
+    def unit_collectives(self, unit: Unit, deg: Degrees) -> list[Priced]:
+        """amsp.schedule.unit_collectives for this unit, priced."""
+        s = padded_numel(unit.numel, deg)
+        out = []
+        for phase, kind, key, div, dt, per_mb in _PHASE_SPEC:
+            n, k, m = layout(key, deg, self.dp_per_node, self.dp_world)
+            if n > 1:
+                elems = s // (1 if div == "1" else getattr(deg, div))
+                nbytes = elems * (self._pb if dt == "p" else self._gb)
+                out.append(self._price(phase, kind, unit.name, n, k, m, nbytes,
+                                       self.w.micro_batches if per_mb else 1))
+        return out
+
+    def _role_collectives(self, role: str, deg: Degrees) -> dict:
+        key = (role, deg)
+        if key not in self._cache:
+            unit = Unit(role, "blocks" if role == "block" else "embed_head", self._numel[role])
+            self._cache[key] = {x.phase: x for x in self.unit_collectives(unit, deg)}
+        return self._cache[key]
+
+    # ---- exposure ----
+    def unit_exposure(self, role: str, deg: Degrees) -> dict:
+        """Exposed seconds per step of one unit's communication and optimizer step, by phase."""
+        cs = self._role_collectives(role, deg)
+
+        def t(phase):
+            return cs[phase].seconds if phase in cs else 0.0
+
+        m = self.w.micro_batches
+        ag_f, ag_b, rs, spread = t("forward"), t("backward"), t("grad"), t("spread")
+        red = t("grad_to_os") + t("grad_replica")
+        wf = 0.0 if role == "embedding" else self.F
+
+        def fwd(extra):
+            return max(0.0, ag_f + extra - wf)
+
+        if self.o.overlap_spread:
+            fwd_total, spread_exposed = (m - 1) * fwd(0.0) + fwd(spread), 0.0
+        else:
+            fwd_total, spread_exposed = m * fwd(0.0), spread
+
+        def bwd(extra):
+            if role == "block":  # the gather of the next block and this block's reduce share B
+                return max(0.0, ag_b + rs + extra - self.B)
+            if role == "head":  # first in backward: the gather is exposed
+                return ag_b + max(0.0, rs + extra - self.B)
+            return max(0.0, ag_b - self.B) + rs + extra  # embedding: last in backward
+
+        bwd_last = bwd(red)
+        s = padded_numel(self._numel[role], deg)
+        opt = s // deg.os * (ADAM_BYTES_PER_ELEM + self._pb) / (self.c.memory_bandwidth_gbs * 1e9)
+        return {"forward": fwd_total, "backward": (m - 1) * bwd(0.0) + bwd_last, "spread": spread_exposed,
+                "optimizer": opt}
+
+    # ---- per-group terms (what the ILP combines) ----
+    def roles_of(self, group: str) -> list[tuple[str, int]]:
+        if group == "blocks":
+            return [("block", self.w.layers)]
+        if group == "embed_head":
+            return [("embedding", 1), ("head", 1)]
+        raise KeyError(f"unknown unit group {group!r}; expected one of {UNIT_GROUPS}")
+
+    def state_parts(self, role: str, deg: Degrees) -> dict:
+        s = padded_numel(self._numel[role], deg)
+        return {"params": s // deg.p * self._pb, "grads": s // deg.g * 4, "optim": s // deg.os * 12}
+
+    def gathered_bytes(self, role: str, deg: Degrees) -> int:
+        return padded_numel(self._numel[role], deg) * self._pb if deg.p > 1 else 0
+
+    def group_cost(self, group: str, deg: Degrees) -> GroupCost:
+        exposed, parts, by_phase, gathered = 0.0, {"params": 0, "grads": 0, "optim": 0}, {}, {}
+        comm = 0.0
+        for role, count in self.roles_of(group):
+            comm += count * sum(x.seconds * x.count for x in self._role_collectives(role, deg).values())
+            for ph, sec in self.unit_exposure(role, deg).items():
+                by_phase[ph] = by_phase.get(ph, 0.0) + count * sec
+                exposed += count * sec
+            for part, b in self.state_parts(role, deg).items():
+                parts[part] += count * b
+            gathered[role] = self.gathered_bytes(role, deg)
+        return GroupCost(exposed, comm, sum(parts.values()), gathered, parts, by_phase)
+
+    def peak_gathered(self, gathered: dict) -> int:
+        """Largest pair of simultaneously gathered units (role -> bytes of one gathered unit)."""
+        return max(gathered[a] + gathered[b] for a, b in self.buffer_pairs())
+
+    # ---- whole plans (walks every unit; the reference the per-group terms must add up to) ----
+    def evaluate(self, plan: Plan) -> "PlanCost":
+        from .report import PlanCost  # the result type lives with its formatting
+
+        collectives: list[Priced] = []
+        exposed = {}
+        parts = {"params": 0, "grads": 0, "optim": 0}
+        gathered = {}
+        for unit in self.w.units():
+            deg = plan.for_group(unit.group)
+            role = "block" if unit.group == "blocks" else unit.name
+            collectives += self.unit_collectives(unit, deg)
+            for ph, sec in self.unit_exposure(role, deg).items():
+                exposed[ph] = exposed.get(ph, 0.0) + sec
+            for part, b in self.state_parts(role, deg).items():
+                parts[part] += b
+            gathered[role] = self.gathered_bytes(role, deg)
+        collectives += self.grad_norm()
+        memory = dict(parts)
+        memory["gathered"] = self.peak_gathered(gathered)
+        memory.update(self.constant_memory())
+        memory["reserved"] = self.o.reserved_bytes + self.c.device_memory_bytes * self.o.memory_margin
+        exposed["grad_norm"] = sum(x.seconds * x.count for x in self.grad_norm())
+        return PlanCost(plan=plan, compute_s=self.compute_s(), exposed_s=exposed, memory=memory,
+                        collectives=collectives, device_memory=self.c.device_memory_bytes,
+                        tokens_per_step_per_rank=self.w.tokens_per_micro_batch * self.w.micro_batches,
+                        model_flops_per_rank=self.w.model_flops_per_step(), peak_flops=self.c.peak_flops)

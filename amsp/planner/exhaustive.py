@@ -1,0 +1,67 @@
+"""Reference solver: every (blocks, embed_head) pair of degree triples, scored by the same terms.
+
+Vectorised with numpy over the candidate grid (680 x 680 pairs at 16384 ranks of 8 per node), it is
+the yardstick for the ILP in the tests and the source of the ranked table of alternatives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from amsp.plan import Plan
+
+from .terms import GroupTerms
+
+
+@dataclass(frozen=True)
+class Choice:
+    plan: Plan
+    objective: float  # step time + tie-break term (cost_model.COMM_TIEBREAK)
+    step_time_s: float  # constant + both groups' exposed seconds
+    memory_bytes: float  # model states + gathered pair + constant parts (no margin)
+
+
+def grid(t: GroupTerms) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(objective, step time, memory) over [blocks candidate, embed_head candidate]."""
+    objective = t.constant_objective + t.objective[0][:, None] + t.objective[1][None, :]
+    time = t.constant_s + t.exposed_s[0][:, None] + t.exposed_s[1][None, :]
+    gathered = None
+    for a, b in t.pairs:
+        term = _role_axis(t, a) + _role_axis(t, b)
+        gathered = term if gathered is None else np.maximum(gathered, term)
+    memory = t.constant_bytes + t.state_bytes[0][:, None] + t.state_bytes[1][None, :] + gathered
+    return objective, time, memory
+
+
+def _role_axis(t: GroupTerms, role: str) -> np.ndarray:
+    v = t.gathered[role]
+    return v[:, None] if t.role_group[role] == 0 else v[None, :]
+
+
+def _plan(t: GroupTerms, i: int, j: int, name: str = "auto") -> Plan:
+    return Plan(blocks=t.candidates[i], embed_head=t.candidates[j], name=name)
+
+
+def ranked(t: GroupTerms, k: int) -> list[Choice]:
+    """The k best plans that fit, best objective first; ties broken by less memory, then smaller degrees."""
+    objective, time, memory = grid(t)
+    ok = np.argwhere(memory <= t.budget_bytes)
+    if len(ok) == 0:
+        return []
+    i, j = ok[:, 0], ok[:, 1]
+    order = np.lexsort((j, i, memory[i, j], objective[i, j]))[:k]
+    return [Choice(_plan(t, a, b), float(objective[a, b]), float(time[a, b]), float(memory[a, b]))
+            for a, b in ok[order]]
+
+
+def best(t: GroupTerms) -> Choice | None:
+    r = ranked(t, 1)
+    return r[0] if r else None
+
+
+def smallest_memory(t: GroupTerms) -> Choice:
+    objective, time, memory = grid(t)
+    i, j = np.unravel_index(np.argmin(memory), memory.shape)
+    return Choice(_plan(t, int(i), int(j), "min-mem"), float(objective[i, j]), float(time[i, j]),
+                  float(memory[i, j]))

@@ -1,0 +1,81 @@
+"""The integer program (PuLP + CBC): pick one degree triple per unit group.
+
+Variables: x[g, c] binary, one per unit group g (blocks, embed_head) and valid triple c
+(amsp.plan.enumerate_degrees is the pre-filter for the ordering, divisibility and fill-a-node rules),
+with sum_c x[g, c] = 1; a continuous z >= the bytes of every pair of simultaneously gathered units
+(current + prefetched next), which linearises that max exactly.
+Memory (one constraint per rank; every rank holds the same shards):
+    sum_{g,c} x[g,c] * state_bytes[g,c] + z + activations + buckets <= budget
+Objective: the cost model's step time, constant + sum_{g,c} x[g,c] * exposed_s[g,c], plus its small
+communication tie-break (cost_model.COMM_TIEBREAK). The cost model makes exposure a sum of per-unit
+terms on fixed compute windows (cost_model.py), so this linear objective IS the model's objective
+and the exhaustive search optimises the same function.
+Seconds are scaled to milliseconds and bytes to GiB so that CBC's tolerances sit far below any
+difference that matters.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import pulp
+
+from amsp.plan import Plan, UNIT_GROUPS
+
+from .exhaustive import Choice
+from .terms import GroupTerms
+
+log = logging.getLogger(__name__)
+GIB = 2**30
+
+
+class SolverError(RuntimeError):
+    pass
+
+
+def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, float]:
+    """(optimal choice or None when nothing fits, solve seconds)."""
+    t0 = time.perf_counter()
+    prob = pulp.LpProblem("amsp_plan", pulp.LpMinimize)
+    budget = (t.budget_bytes - t.constant_bytes) / GIB
+    x = {}
+    for gi, group in enumerate(UNIT_GROUPS):
+        # Candidates whose own model states already overflow cannot be part of any feasible plan.
+        keep = [ci for ci in range(len(t.candidates)) if t.state_bytes[gi, ci] / GIB <= budget]
+        if not keep:
+            return None, time.perf_counter() - t0
+        for ci in keep:
+            x[gi, ci] = pulp.LpVariable(f"x_{group}_{ci}", cat=pulp.LpBinary)
+        prob += pulp.lpSum(x[gi, ci] for ci in keep) == 1, f"one_{group}"
+    z = pulp.LpVariable("gathered_gib", lowBound=0)
+
+    def role_expr(role):
+        gi = t.role_group[role]
+        return pulp.lpSum(x[gi, ci] * (t.gathered[role][ci] / GIB) for (g, ci) in x if g == gi)
+
+    for n, (a, b) in enumerate(t.pairs):
+        prob += z >= role_expr(a) + role_expr(b), f"gathered_pair_{n}"
+    prob += pulp.lpSum(x[k] * (t.state_bytes[k] / GIB) for k in x) + z <= budget, "memory_per_rank"
+    prob += pulp.lpSum(x[k] * (t.objective[k] * 1e3) for k in x)
+    status = prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=0))
+    elapsed = time.perf_counter() - t0
+    name = pulp.LpStatus[status]
+    if name == "Infeasible":
+        return None, elapsed
+    if name != "Optimal":
+        raise SolverError(f"CBC returned status {name!r} after {elapsed:.1f}s (time limit {time_limit_s}s); "
+                          f"raise amsp.planner.time_limit_s")
+    chosen = {}
+    for (gi, ci), var in x.items():
+        if var.value() is not None and var.value() > 0.5:
+            chosen[gi] = ci
+    if len(chosen) != len(UNIT_GROUPS):
+        raise SolverError(f"CBC reported Optimal but selected {len(chosen)} of {len(UNIT_GROUPS)} groups")
+    i, j = chosen[0], chosen[1]
+    step = t.constant_s + t.exposed_s[0, i] + t.exposed_s[1, j]
+    objective = t.constant_objective + t.objective[0, i] + t.objective[1, j]
+    gathered = max(t.gathered[a][chosen[t.role_group[a]]] + t.gathered[b][chosen[t.role_group[b]]]
+                   for a, b in t.pairs)
+    memory = t.constant_bytes + t.state_bytes[0, i] + t.state_bytes[1, j] + gathered
+    plan = Plan(blocks=t.candidates[i], embed_head=t.candidates[j], name="auto")
+    return Choice(plan, float(objective), float(step), float(memory)), elapsed

@@ -1,0 +1,136 @@
+"""A plan's predicted cost, the ranked table of alternatives, wandb rows, and the no-fit error."""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from amsp.plan import Plan
+
+GIB = 2**30
+MEMORY_PARTS = ("params", "grads", "optim", "activations", "gathered", "buckets", "reserved")
+COMM_PHASES = ("forward", "backward", "grad", "grad_to_os", "grad_replica", "spread", "grad_norm")
+
+
+@dataclass
+class PlanCost:
+    plan: Plan
+    compute_s: float
+    exposed_s: dict  # phase -> exposed seconds per step
+    memory: dict  # part -> bytes per rank (MEMORY_PARTS; reserved includes the safety margin)
+    collectives: list  # cost_model.Priced
+    device_memory: int
+    tokens_per_step_per_rank: int
+    model_flops_per_rank: float
+    peak_flops: float
+    ranks_per_replica: int = 1  # tp * pp GPUs share one data-parallel rank's tokens
+
+    @property
+    def step_time_s(self) -> float:
+        return self.compute_s + sum(self.exposed_s.values())
+
+    @property
+    def exposed_total_s(self) -> float:
+        return sum(self.exposed_s.values())
+
+    @property
+    def memory_total(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_total <= self.device_memory
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_step_per_rank / self.ranks_per_replica / self.step_time_s
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops_per_rank / self.step_time_s / self.peak_flops
+
+    def comm_bytes(self) -> dict:
+        """Bytes per rank per step by phase (amsp.schedule's convention)."""
+        out: dict = defaultdict(int)
+        for x in self.collectives:
+            out[x.phase] += x.bytes * x.count
+        return dict(out)
+
+    def comm_seconds(self) -> dict:
+        """Unhidden communication seconds per step by phase (before overlap)."""
+        out: dict = defaultdict(float)
+        for x in self.collectives:
+            out[x.phase] += x.seconds * x.count
+        return dict(out)
+
+    def inter_node_bytes(self) -> int:
+        return sum(x.bytes * x.count for x in self.collectives if x.crosses_nodes)
+
+
+def plan_label(plan: Plan) -> str:
+    if plan.blocks == plan.embed_head:
+        return str(plan.blocks)
+    return f"{plan.blocks} | {plan.embed_head}"
+
+
+COLUMNS = ["rank", "plan", "name", "blocks_p", "blocks_g", "blocks_os", "eh_p", "eh_g", "eh_os",
+           "mem_params_gib", "mem_grads_gib", "mem_optim_gib", "mem_act_gib", "mem_buffers_gib", "mem_total_gib",
+           "comm_gather_gb", "comm_rs_gb", "comm_grad_to_os_gb", "comm_replica_gb", "comm_spread_gb",
+           "comm_inter_node_gb", "comm_time_s", "exposed_s", "step_time_s", "tokens_per_s_per_gpu", "mfu"]
+
+
+def row(rank: int, c: PlanCost) -> list:
+    b, e, m, cb = c.plan.blocks, c.plan.embed_head, c.memory, c.comm_bytes()
+    g = lambda k: cb.get(k, 0) / 1e9  # noqa: E731
+    return [rank, plan_label(c.plan), c.plan.name, b.p, b.g, b.os, e.p, e.g, e.os,
+            m["params"] / GIB, m["grads"] / GIB, m["optim"] / GIB, m["activations"] / GIB,
+            (m["gathered"] + m["buckets"]) / GIB, c.memory_total / GIB,
+            g("forward") + g("backward"), g("grad"), g("grad_to_os"), g("grad_replica"), g("spread"),
+            c.inter_node_bytes() / 1e9, sum(c.comm_seconds().values()), c.exposed_total_s, c.step_time_s,
+            c.tokens_per_s_per_gpu, c.mfu]
+
+
+def wandb_rows(costs: list[PlanCost]) -> tuple[list[str], list[list]]:
+    """(columns, rows) for WandbLogger.log_table: rank 1 is the chosen plan."""
+    return list(COLUMNS), [row(i + 1, c) for i, c in enumerate(costs)]
+
+
+def format_table(costs: list[PlanCost], header: str = "") -> str:
+    """Fixed-width text: memory per rank by part (GiB), communication per step by collective (GB
+    per rank), exposed communication and predicted step time."""
+    head = (f"{'#':>3} {'plan p/g/os (blocks | emb+head)':<34} {'name':<8}"
+            f"{'P':>6} {'G':>6} {'OS':>6} {'act':>6} {'buf':>6} {'total':>7} |"
+            f"{'AG':>8} {'RS':>8} {'g->os':>7} {'repl':>7} {'spread':>7} {'inter':>8} |"
+            f"{'comm s':>8} {'exposed':>8} {'step s':>8} {'tok/s/gpu':>10} {'MFU':>6}")
+    unit = (f"{'':>3} {'':<34} {'':<8}{'memory per rank, GiB':^44}|"
+            f"{'communication per rank per step, GB':^51}|{'predicted':^44}")
+    lines = ([header] if header else []) + [unit, head, "-" * len(head)]
+    for i, c in enumerate(costs):
+        r = row(i + 1, c)
+        lines.append(f"{r[0]:>3} {r[1]:<34} {r[2]:<8}"
+                     f"{r[9]:6.2f} {r[10]:6.2f} {r[11]:6.2f} {r[12]:6.2f} {r[13]:6.2f} {r[14]:7.2f} |"
+                     f"{r[15]:8.2f} {r[16]:8.2f} {r[17]:7.2f} {r[18]:7.2f} {r[19]:7.2f} {r[20]:8.2f} |"
+                     f"{r[21]:8.3f} {r[22]:8.3f} {r[23]:8.3f} {r[24]:10.0f} {r[25]:6.1%}")
+    return "\n".join(lines)
+
+
+class NoFeasiblePlan(RuntimeError):
+    """No plan fits in device memory; the message names the smallest-memory plan and the excess."""
+
+    def __init__(self, smallest: PlanCost, recompute: str, micro_batch_size: int):
+        over = smallest.memory_total - smallest.device_memory
+        m = smallest.memory
+        parts = ", ".join(f"{k} {m[k] / GIB:.2f}" for k in MEMORY_PARTS)
+        hints = []
+        if recompute != "full":
+            hints.append("more activation recomputation (model.activation_checkpointing="
+                         + ("selective or full)" if recompute == "none" else "full)"))
+        if micro_batch_size > 1:
+            hints.append(f"a smaller micro-batch (trainer.micro_batch_size < {micro_batch_size})")
+        hints += ["a shorter sequence (data.seq_len)", "more nodes (larger shard degrees)",
+                  "tensor / pipeline parallelism (amsp.planner.tp / pp)"]
+        super().__init__(
+            f"no sharding plan fits in {smallest.device_memory / GIB:.1f} GiB per device: the smallest-memory "
+            f"plan {plan_label(smallest.plan)} needs {smallest.memory_total / GIB:.2f} GiB per rank, "
+            f"{over / GIB:.2f} GiB over ({parts} GiB). Try: " + "; ".join(hints))
+        self.smallest = smallest
+        self.excess_bytes = over

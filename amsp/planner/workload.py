@@ -1,0 +1,134 @@
+"""What one data-parallel rank has to hold and compute: units, FLOPs per unit, activation bytes.
+
+Units are the engine's flat buffers (issue 4): each transformer block ("blocks" group), the
+embedding and the final norm + output head ("embed_head" group). With tensor parallelism (tp) a
+unit's parameters, FLOPs and activations are split tp ways; with pipeline parallelism (pp) a rank
+holds n_layers/pp blocks. For memory we keep the embedding and the head on every stage, which is
+exact for pp = 1 and conservative (by one of the two) for pp > 1.
+
+Activation memory per transformer layer and micro-batch, following Korthikanti et al. 2022
+("Reducing Activation Recomputation in Large Transformer Models", eq. 1: s*b*h*(34 + 5*a*s/h) bytes
+for GPT with fp16 and dropout), adapted to LLaMA: no dropout masks, RMSNorm, a fused attention kernel
+that keeps no s x s score matrix (flash / memory-efficient SDPA; its per-row softmax statistics are
+negligible), grouped-query K/V of width h_kv = n_kv_heads*head_dim, and a SwiGLU MLP of width f.
+With e bytes per element and T = s*b tokens, the tensors autograd keeps are
+  none:      norm in, norm out, Q, K, V, attention out, norm in, norm out   -> (6h + 2h_kv) e T
+             gate, up, silu(gate), silu(gate)*up                            -> 4f e T
+  selective: the model's policy keeps matmul and attention outputs and recomputes norms, rotary and
+             SiLU: layer input, Q, K, V, attention out, wo out, w1 out, w3 out, w2 out
+                                                                            -> (5h + 2h_kv + 2f) e T
+  full:      the layer input only (h e T), plus one layer's `none` set while it is recomputed.
+The output head keeps its input and the logits in the compute dtype plus an fp32 copy for the loss:
+(h e + V (e + 4)) T. All divided by tp (sequence parallelism assumed).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from amsp.schedule import Precision, Unit
+from models.llama.config import LlamaConfig
+
+RECOMPUTE_MODES = ("none", "full", "selective")
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: LlamaConfig
+    seq_len: int
+    micro_batch_size: int
+    micro_batches: int  # per rank per optimizer step
+    precision: Precision
+    recompute: str = "none"
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recomputation mode {self.recompute!r} is not one of {RECOMPUTE_MODES}")
+        if self.micro_batches < 1 or self.micro_batch_size < 1 or self.seq_len < 1:
+            raise ValueError("micro_batches, micro_batch_size and seq_len must be positive")
+        if self.model.n_layers % self.pp:
+            raise ValueError(f"pipeline degree pp={self.pp} must divide n_layers={self.model.n_layers}")
+
+    # ---- units ----
+    @property
+    def layers(self) -> int:
+        return self.model.n_layers // self.pp
+
+    @property
+    def block_numel(self) -> int:
+        return -(-self.model.block_params() // self.tp)
+
+    @property
+    def embedding_numel(self) -> int:
+        return -(-self.model.embedding_params() // self.tp)
+
+    @property
+    def head_numel(self) -> int:
+        return -(-self.model.head_params() // self.tp)
+
+    def units(self) -> list[Unit]:
+        """The flat units of one rank, in forward order."""
+        return ([Unit("embedding", "embed_head", self.embedding_numel)]
+                + [Unit(f"block.{i}", "blocks", self.block_numel) for i in range(self.layers)]
+                + [Unit("head", "embed_head", self.head_numel)])
+
+    def params_per_rank(self) -> int:
+        return self.embedding_numel + self.layers * self.block_numel + self.head_numel
+
+    # ---- compute (FLOPs per micro-batch, the models/llama/flops.py convention) ----
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.seq_len * self.micro_batch_size
+
+    def block_forward_flops(self) -> float:
+        m = self.model
+        per_token = 2.0 * m.block_params() + 4.0 * m.n_heads * m.head_dim * self.seq_len
+        return per_token * self.tokens_per_micro_batch / self.tp
+
+    def head_forward_flops(self) -> float:
+        return 2.0 * self.model.vocab_size * self.model.dim * self.tokens_per_micro_batch / self.tp
+
+    def block_backward_flops(self) -> float:
+        """Backward is twice the forward; full recomputation runs the forward once more."""
+        extra = self.block_forward_flops() if self.recompute == "full" else 0.0
+        return 2.0 * self.block_forward_flops() + extra
+
+    def model_flops_per_step(self) -> float:
+        """FLOPs of one optimizer step on one rank without recomputation (what MFU counts)."""
+        per_mb = 3.0 * (self.layers * self.block_forward_flops() + self.head_forward_flops())
+        return per_mb * self.micro_batches
+
+    def pipeline_bubble(self) -> float:
+        """1F1B bubble as a fraction of the compute time: (pp - 1) / micro-batches."""
+        return (self.pp - 1) / self.micro_batches
+
+    # ---- activations ----
+    @property
+    def act_bytes(self) -> int:
+        return self.precision.param_bytes  # activations live in the compute dtype
+
+    def layer_activation_bytes(self, mode: str | None = None) -> float:
+        m, e, t = self.model, self.act_bytes, self.tokens_per_micro_batch
+        h, f = m.dim, m.ffn_hidden_dim
+        hkv = m.n_kv_heads * m.head_dim
+        mode = mode or self.recompute
+        if mode == "none":
+            width = 6 * h + 2 * hkv + 4 * f
+        elif mode == "selective":
+            width = 5 * h + 2 * hkv + 2 * f
+        else:
+            width = h
+        return width * e * t / self.tp
+
+    def head_activation_bytes(self) -> float:
+        m, e, t = self.model, self.act_bytes, self.tokens_per_micro_batch
+        return (m.dim * e + m.vocab_size * (e + 4)) * t / self.tp
+
+    def activation_bytes(self) -> float:
+        """Peak activation bytes on one rank: stored layers of the in-flight micro-batches, the
+        head, and under recomputation one layer's full set while it is recomputed."""
+        in_flight = min(self.pp, self.micro_batches)  # 1F1B: the first stage holds pp micro-batches
+        stored = self.layers * in_flight * self.layer_activation_bytes()
+        transient = self.layer_activation_bytes("none") if self.recompute != "none" else 0.0
+        return stored + transient + self.head_activation_bytes()
