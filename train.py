@@ -99,7 +99,7 @@ def make_metrics(cfg: DictConfig, denv: DistEnv, run_dir: pathlib.Path, device: 
     cluster_tflops = cfg.cluster.peak_tflops if "cluster" in cfg else None
     peak = resolve_peak(device, dtype, cfg.logging.peak_tflops, cluster_tflops) if denv.is_main else None
     if peak is not None:
-        log.info("MFU peak: %.1f TFLOP/s per device (%s)", peak.flops / 1e12, peak.source)
+        log.info("MFU peak: %.4g TFLOP/s per device (%s)", peak.flops / 1e12, peak.source)
     return MetricsLogger(run_dir, rank=denv.rank, world_size=denv.world_size, total_steps=cfg.trainer.max_steps,
                          tokens_per_step=tokens_per_step, flops_per_token=fpt, device=device, peak=peak,
                          sink=sink)
