@@ -1,0 +1,341 @@
+"""The AMSP engine: runs a plan on the pure LLaMA model through module hooks.
+
+The model is built on the meta device; each unit (the embedding, every transformer block, the
+final norm + head; with tied embeddings the embedding and head form one unit) gets a FlatUnit
+holding its shards, and its parameters become views of the unit's gathered buffer. Hooks:
+  * forward pre-hook: wait for / run the unit's P all-gather, prefetch the next unit's;
+    forward hook on the unit's last module: free the gathered buffer;
+  * full backward pre-hook: gather again (prefetched one unit ahead in backward order); the
+    buffer stays until the unit's gradients are complete, so a checkpoint recompute reuses it;
+  * post-accumulate-grad hooks: when all of a unit's parameters have their gradient, flatten,
+    free, and launch the G reduce-scatter; one unit later (double buffering) the result is added
+    to the fp32 G shard and, on the last micro-batch, the G->OS reduce-scatter is launched, and one
+    unit after that the OS-replica all-reduce: the hierarchical sync overlaps the rest of backward.
+After backward the pipeline is drained; step() waits for the sync, runs the sharded AdamW and the
+parameter spread (synchronously, or overlapped with the next forward unit by unit, guarded by a
+per-unit version that must equal the optimizer's step count before the unit may run).
+"""
+from __future__ import annotations
+
+import logging
+import types
+import warnings
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn as nn
+
+from models.llama.config import LlamaConfig
+from models.llama.model import Llama
+
+from .collectives import Comm, CommStats
+from .flat_unit import FlatUnit, ParamSlot
+from .fragments import Fragment, load_fragment, unit_fragments
+from .groups import ensure_groups, unit_groups
+from .optim import decays
+from .plan import Plan, validate_degrees
+from .schedule import Precision, Unit
+from .sharded_optim import AdamWSettings, ShardedAdamW, StepResult
+from .topology import Topology
+
+log = logging.getLogger(__name__)
+# The embedding's input is integer tokens, so its full backward pre-hook fires on the output
+# gradient alone, which is exactly the moment the engine needs; torch warns about that case.
+warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with "
+                        "respect to module outputs since no inputs require gradients")
+
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def resolve_precision(name: str, device: torch.device) -> str:
+    """auto: fp32 on CPU (bf16 matmuls run at under half the fp32 rate there), bf16 on CUDA."""
+    if name not in PRECISIONS:
+        raise ValueError(f"amsp.precision={name!r} is not one of {'|'.join(PRECISIONS)}")
+    if name == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return name
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    precision: str = "auto"  # auto | fp32 | bf16 (compute weights and communication)
+    overlap_spread: bool = False  # spread overlaps the next step's forward, unit by unit
+    prefetch: bool = True  # prefetch the next unit's P all-gather in forward and backward
+    optim: AdamWSettings = AdamWSettings()
+
+
+class AMSPEngine:
+    def __init__(self, model_cfg: LlamaConfig, plan: Plan, topo: Topology, rank: int, *, seed: int = 0,
+                 device: torch.device | str = "cpu", options: EngineOptions = EngineOptions()):
+        self.cfg, self.plan, self.topo, self.rank = model_cfg, plan, topo, rank
+        self.device = torch.device(device)
+        self.options = options
+        # Rules first: nothing is allocated for an invalid plan.
+        for grp in ("blocks", "embed_head"):
+            validate_degrees(plan.for_group(grp), topo.world, topo.ranks_per_node, what=f"plan {grp}")
+        self.precision_name = resolve_precision(options.precision, self.device)
+        self.precision = Precision.named(self.precision_name)
+        dtype = torch.float32 if self.precision_name == "fp32" else torch.bfloat16
+        ensure_groups([plan.blocks, plan.embed_head], topo)
+        self.comm = Comm(topo, rank)
+        with torch.device("meta"):
+            self.model = Llama(model_cfg)
+        self.units = self._build_units(dtype)
+        self._materialise(seed)
+        self.optim = ShardedAdamW(self.units, options.optim, self.comm)
+        self._fwd_order = self.units
+        self._bwd_order = sorted(self.units, key=lambda u: self._module_pos[id(u.modules[-1])], reverse=True)
+        self._install_hooks()
+        self._last_stats = CommStats()
+        self._micro_state: dict | None = None  # per backward: last flag, unit pipeline
+        self._accumulating = False  # a micro-batch has run since the last step()
+        self._synced_last = False
+        self._log_choices()
+
+    # ---- construction ----
+    def _unit_specs(self) -> list[tuple[str, str, list[nn.Module]]]:
+        m = self.model
+        specs = [(f"layers.{i}", "blocks", [blk]) for i, blk in enumerate(m.layers)]
+        if self.cfg.tie_embeddings:
+            # The head projects with tok_embeddings.weight: one unit, gathered from the embedding's
+            # forward to the head's, so both uses see the same buffer and one gradient.
+            return [("embed_head", "embed_head", [m.tok_embeddings, m.head])] + specs
+        return [("tok_embeddings", "embed_head", [m.tok_embeddings])] + specs + [("head", "embed_head", [m.head])]
+
+    def _build_units(self, dtype: torch.dtype) -> list[FlatUnit]:
+        names = {id(mod): n for n, mod in self.model.named_modules()}
+        order = [self.model.tok_embeddings, *self.model.layers, self.model.head]
+        self._module_pos = {id(mod): i for i, mod in enumerate(order)}
+        units, seen = [], set()
+        for uname, grp, modules in self._unit_specs():
+            slots, offset = [], 0
+            for mod in modules:
+                for full_name, p in mod.named_parameters(prefix=names[id(mod)]):
+                    if full_name in seen:
+                        continue
+                    owner_name, _, attr = full_name.rpartition(".")
+                    owner = self.model.get_submodule(owner_name)
+                    slots.append(ParamSlot(full_name, owner, attr, p.shape, offset, decays(full_name, p)))
+                    seen.add(full_name)
+                    offset += p.numel()
+            deg = self.plan.for_group(grp)
+            groups = unit_groups(deg, self.topo, self.rank)
+            dt = torch.float32 if dtype == torch.float32 else torch.bfloat16
+            units.append(FlatUnit(uname, grp, modules, slots, deg, groups, self.rank, self.topo.world, dt, dt,
+                                  self.device, self.comm))
+        missing = {n for n, _ in self.model.named_parameters()} - seen
+        if missing:
+            raise RuntimeError(f"parameters in no unit: {sorted(missing)}")
+        return units
+
+    def _materialise(self, seed: int) -> None:
+        """Initialise unit by unit with the model's own init (keyed by parameter name), keep shards."""
+        for u in self.units:
+            tensors = [(s.name, torch.empty(s.shape, dtype=torch.float32)) for s in u.slots]
+            proxy = types.SimpleNamespace(cfg=self.cfg, init_rope=lambda: None,
+                                          named_parameters=lambda t=tensors: iter(t))
+            Llama.init_weights(proxy, seed)
+            flat = torch.zeros(u.layout.padded, dtype=torch.float32)
+            for s, (_, t) in zip(u.slots, tensors):
+                flat[s.offset:s.offset + s.numel] = t.reshape(-1)
+            u.load_full_fp32(flat.to(self.device))
+            u.install_params()
+        for mod in self.model.modules():
+            for bname, buf in list(mod._buffers.items()):
+                if buf is not None and buf.is_meta:
+                    mod._buffers[bname] = torch.empty(buf.shape, dtype=torch.float32, device=self.device)
+        self.model.init_rope()
+
+    def _install_hooks(self) -> None:
+        for i, u in enumerate(self._fwd_order):
+            nxt = self._fwd_order[i + 1] if i + 1 < len(self._fwd_order) else None
+            for j, mod in enumerate(u.modules):
+                mod.register_forward_pre_hook(partial(self._pre_forward, u, nxt if j == 0 else None))
+                if j == len(u.modules) - 1:
+                    mod.register_forward_hook(partial(self._post_forward, u))
+                mod.register_full_backward_pre_hook(partial(self._pre_backward, u))
+            for s in u.slots:
+                u.param(s).register_post_accumulate_grad_hook(partial(self._grad_ready, u))
+        self._bwd_next = {id(u): (self._bwd_order[i + 1] if i + 1 < len(self._bwd_order) else None)
+                          for i, u in enumerate(self._bwd_order)}
+
+    def _log_choices(self) -> None:
+        if self.rank != 0:
+            return
+        log.info("AMSP plan %s on %d ranks (%d per node); precision %s; prefetch %s; spread overlap %s",
+                 self.plan, self.topo.world, self.topo.ranks_per_node, self.precision_name,
+                 "on" if self.options.prefetch else "off", "on" if self.options.overlap_spread else "off")
+        for grp in ("blocks", "embed_head"):
+            us = [u for u in self.units if u.group == grp]
+            if us:
+                log.info("  %s: %d units, p/g/os = %s, %d parameters (padded %d)", grp, len(us), us[0].deg,
+                         sum(u.layout.numel for u in us), sum(u.layout.padded for u in us))
+
+    # ---- hooks ----
+    def _ensure_fresh(self, u: FlatUnit) -> None:
+        if u.spread_pending:
+            u.finish_spread()
+        if u.version != self.optim.steps:
+            raise RuntimeError(f"AMSP guard: unit {u.name} holds weights of optimizer step {u.version} but "
+                               f"{self.optim.steps} steps were applied; refusing to run on stale weights")
+
+    def _pre_forward(self, u: FlatUnit, nxt: FlatUnit | None, module, args) -> None:
+        self._ensure_fresh(u)
+        u.wait_gather("forward")
+        if nxt is not None and self.options.prefetch:
+            self._ensure_fresh(nxt)
+            nxt.start_gather("forward")
+
+    def _post_forward(self, u: FlatUnit, module, args, output) -> None:
+        u.free()
+
+    def _pre_backward(self, u: FlatUnit, module, grad_output) -> None:
+        st = self._micro_state
+        if st is None:
+            raise RuntimeError("AMSP: backward outside engine.forward_backward() is not supported")
+        first = id(u) not in st["bwd_started"]
+        st["bwd_started"].add(id(u))
+        u.wait_gather("backward")
+        nxt = self._bwd_next[id(u)]
+        if first and nxt is not None and self.options.prefetch and id(nxt) not in st["done"]:
+            nxt.start_gather("backward")
+
+    def _grad_ready(self, u: FlatUnit, param) -> None:
+        st = self._micro_state
+        left = st["waiting"][id(u)] - 1
+        st["waiting"][id(u)] = left
+        if left:
+            return
+        st["done"].add(id(u))
+        flat = u.flatten_grads()
+        u.free()  # gradients are complete: the recompute (if any) is over, the buffer can go
+        u.launch_grad_reduce(flat)
+        # Double buffering: complete the previous unit's reduce-scatter (launched one unit ago,
+        # normally finished by now) and move the last micro-batch's sync one stage on.
+        pipe = st["pipeline"]
+        if pipe:
+            self._advance(pipe[-1], 1)
+        if st["last"] and len(pipe) >= 2:
+            self._advance(pipe[-2], 2)
+        pipe.append(u)
+
+    def _advance(self, u: FlatUnit, stage: int) -> None:
+        """Stages: 0 G reduce-scatter launched; 1 added to the G shard (+ G->OS launched on the last
+        micro-batch); 2 OS-replica all-reduce launched (last micro-batch only)."""
+        st = self._micro_state["stage"]
+        while st[id(u)] < stage:
+            s = st[id(u)]
+            if s == 0:
+                u.finish_grad_reduce()
+                if self._micro_state["last"]:
+                    u.launch_os_reduce()
+            elif s == 1:
+                u.launch_replica_reduce()
+            st[id(u)] = s + 1
+
+    # ---- training API ----
+    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, micro_index: int,
+                         num_micro: int) -> torch.Tensor:
+        """One micro-batch: forward, backward, gradient reduce-scatter into the G shards; the last
+        micro-batch (micro_index == num_micro - 1) also runs the hierarchical sync. Returns the
+        (unscaled, detached) mean loss of this micro-batch on this rank."""
+        if not 0 <= micro_index < num_micro:
+            raise ValueError(f"micro_index {micro_index} outside [0, {num_micro})")
+        if self._synced_last:
+            raise RuntimeError("AMSP: the last micro-batch already ran; call step() before the next one")
+        last = micro_index == num_micro - 1
+        self._micro_state = {"last": last, "bwd_started": set(), "done": set(), "pipeline": [],
+                             "waiting": {id(u): len(u.slots) for u in self.units},
+                             "stage": {id(u): 0 for u in self.units}}
+        try:
+            loss = self.model(tokens.to(self.device), targets.to(self.device))
+            # Each rank's micro-batch mean, scaled so the sum over ranks and micro-batches is the
+            # mean over the global batch.
+            (loss * (1.0 / (num_micro * self.topo.world))).backward()
+            pipe = self._micro_state["pipeline"]
+            not_done = [u.name for u in self.units if id(u) not in self._micro_state["done"]]
+            if not_done:
+                raise RuntimeError(f"AMSP: units {not_done} got no complete gradient in this backward")
+            for u in pipe:
+                self._advance(u, 1)
+            if last:
+                for u in pipe:
+                    self._advance(u, 2)
+        finally:
+            self._micro_state = None
+        self._accumulating = True
+        self._synced_last = last
+        return loss.detach()
+
+    def step(self, lr: float) -> StepResult:
+        """Wait for the gradient sync, AdamW on the OS shards, then spread the new weights."""
+        if not self._synced_last:
+            raise RuntimeError("AMSP: step() needs a completed last micro-batch (micro_index == num_micro - 1)")
+        for u in self.units:
+            u.finish_sync()
+        result = self.optim.step(lr)
+        for u in self.units:
+            u.zero_grad_state()
+        if not result.skipped:
+            for u in self.units:
+                u.launch_spread()
+            if not self.options.overlap_spread:
+                self.finish_spread()
+        self._accumulating = self._synced_last = False
+        self._last_stats = self.comm.close_step()
+        return result
+
+    def finish_spread(self) -> None:
+        """Complete every pending spread (done lazily per unit when the spread overlaps forward)."""
+        for u in self.units:
+            self._ensure_fresh(u)
+
+    def comm_stats(self) -> CommStats:
+        """Communication of the last completed step (bytes booked at launch, blocked wait time)."""
+        return self._last_stats
+
+    # ---- introspection for the planner contract, tests and the checkpoint writer ----
+    @property
+    def optimizer_steps(self) -> int:
+        return self.optim.steps
+
+    def schedule_units(self) -> list[Unit]:
+        return [Unit(u.name, u.group, u.layout.numel) for u in self.units]
+
+    def degrees_of(self) -> dict:
+        return {"blocks": self.plan.blocks, "embed_head": self.plan.embed_head}
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Model-state bytes held by this rank, measured from the tensors: p, g, os and total."""
+        out = {"p": 0, "g": 0, "os": 0}
+        for u in self.units:
+            for k, v in u.resident_bytes().items():
+                out[k] += v
+        out["total"] = out["p"] + out["g"] + out["os"]
+        return out
+
+    def named_fragments(self) -> list[Fragment]:
+        """Per parameter, the piece of its fp32 master / exp_avg / exp_avg_sq this rank holds
+        (see amsp/fragments.py). Pending spreads are completed first so weights and master agree."""
+        self.finish_spread()
+        return [f for u in self.units for f in unit_fragments(u)]
+
+    def load_fragments(self, values: dict[str, dict[str, torch.Tensor]], optimizer_steps: int) -> None:
+        """Restore every fragment of this rank (name -> {'master', 'exp_avg', 'exp_avg_sq'}, each the
+        fragment's [start, end) piece), set the optimizer step count, and re-spread the compute
+        weights from the masters. Collective: every rank must call it."""
+        if self._accumulating:
+            raise RuntimeError("AMSP: load_fragments() in the middle of a step")
+        frags = self.named_fragments()
+        missing = [f.name for f in frags if f.name not in values]
+        if missing:
+            raise KeyError(f"no saved values for fragments {missing}")
+        for f in frags:
+            load_fragment(f, values[f.name])
+        self.optim.steps = optimizer_steps
+        for u in self.units:
+            u.version = optimizer_steps - 1  # the spread below brings every unit to this step
+            u.launch_spread()
+        self.finish_spread()
+        self.comm.close_step()  # loading traffic is not part of a training step

@@ -1,0 +1,223 @@
+"""One unit's sharded state and the collectives that move it (no hooks, no scheduling here).
+
+Resident per rank (S = padded numel):
+  p_shard     S/p  compute dtype   the rank's parameter shard (the full weights when p == 1)
+  g_shard     S/g  fp32            gradient accumulation across micro-batches
+  master, exp_avg, exp_avg_sq  S/os fp32   optimizer state
+Transient: `full` (S, compute dtype, only when p > 1) holds the gathered weights between a gather
+and the matching free; its storage is resized to 0 when freed, so the parameter views and the
+tensors autograd saved in forward keep pointing at it and see the re-gathered data in backward.
+The fp32 master is never used as the compute weights (even for fp32 with p == os): one rule, and
+the memory formula is then exactly (param_bytes/p + 4/g + 12/os) per element.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .collectives import Comm, Handle
+from .flat_buffer import ShardLayout
+from .groups import UnitGroups
+from .plan import Degrees
+
+
+@dataclass
+class ParamSlot:
+    name: str  # full name in the model, e.g. "layers.0.attention.wq.weight"
+    module: nn.Module
+    attr: str
+    shape: torch.Size
+    offset: int  # start in the unit's flat buffer
+    decays: bool
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+class FlatUnit:
+    def __init__(self, name: str, group: str, modules: list[nn.Module], slots: list[ParamSlot], deg: Degrees,
+                 groups: UnitGroups, rank: int, world: int, compute_dtype: torch.dtype, grad_dtype: torch.dtype,
+                 device: torch.device, comm: Comm):
+        self.name, self.group, self.modules, self.slots, self.deg = name, group, modules, slots, deg
+        self.groups, self.rank, self.world, self.comm = groups, rank, world, comm
+        self.compute_dtype, self.grad_dtype, self.device = compute_dtype, grad_dtype, device
+        self.layout = ShardLayout(sum(s.numel for s in slots), deg)
+        lay = self.layout
+        self.p_shard = torch.empty(lay.p_size, dtype=compute_dtype, device=device)
+        self.g_shard = torch.zeros(lay.g_size, dtype=torch.float32, device=device)
+        self.master = torch.empty(lay.chunk, dtype=torch.float32, device=device)
+        self.exp_avg = torch.zeros(lay.chunk, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros(lay.chunk, dtype=torch.float32, device=device)
+        self.os_lo, self.os_hi = lay.os_range(rank)
+        self.decay_segments = self._decay_segments()
+        self.replicas = world // deg.os  # ranks holding the same OS shard
+        if deg.p > 1:
+            self.full = torch.empty(lay.padded, dtype=compute_dtype, device=device)
+            self.full.untyped_storage().resize_(0)
+            # Writes go through a separate alias: autograd's version counter of the parameter
+            # views must not see the refill (the saved tensors are valid again once it lands).
+            self._full_writer = torch.empty(0, dtype=compute_dtype, device=device).set_(
+                self.full.untyped_storage(), 0, (lay.padded,))
+        else:
+            self.full = self.p_shard
+        self.gathered = deg.p == 1
+        self._gather: Handle | None = None
+        self._grad_rs: tuple[Handle, torch.Tensor] | None = None
+        self._os_rs: tuple[Handle, torch.Tensor] | None = None
+        self._replica: tuple[Handle, torch.Tensor] | None = None
+        self._spread: tuple[Handle, torch.Tensor] | None = None
+        self.os_grad: torch.Tensor | None = None  # fp32 S/os gradient after the step's sync
+        self.version = 0  # optimizer steps whose result this unit's p_shard holds
+
+    # ---- construction ----
+    def _decay_segments(self) -> list[tuple[int, int]]:
+        """[start, end) ranges, local to the OS shard, of parameters that take weight decay."""
+        segs = []
+        for s in self.slots:
+            lo, hi = max(s.offset, self.os_lo), min(s.offset + s.numel, self.os_hi)
+            if s.decays and lo < hi:
+                segs.append((lo - self.os_lo, hi - self.os_lo))
+        return segs
+
+    @torch.no_grad()
+    def load_full_fp32(self, flat: torch.Tensor) -> None:
+        """Take this rank's shards of a full fp32 padded buffer (initialisation / loading)."""
+        lay = self.layout
+        if flat.numel() != lay.padded:
+            raise ValueError(f"{self.name}: expected {lay.padded} elements, got {flat.numel()}")
+        self.master.copy_(flat[self.os_lo:self.os_hi])
+        lo, hi = lay.p_range(self.rank)
+        self.p_shard.copy_(flat[lo:hi])
+
+    def install_params(self) -> None:
+        """Replace each (meta) parameter by a Parameter viewing the unit's gathered buffer."""
+        for s in self.slots:
+            view = self.full[s.offset:s.offset + s.numel].view(s.shape)
+            setattr(s.module, s.attr, nn.Parameter(view, requires_grad=True))
+
+    def param(self, slot: ParamSlot) -> nn.Parameter:
+        return getattr(slot.module, slot.attr)
+
+    # ---- memory ----
+    def resident_bytes(self) -> dict[str, int]:
+        def b(t):
+            return t.numel() * t.element_size()
+        return {"p": b(self.p_shard), "g": b(self.g_shard),
+                "os": b(self.master) + b(self.exp_avg) + b(self.exp_avg_sq)}
+
+    # ---- P gather / free ----
+    def start_gather(self, phase: str) -> None:
+        if self.gathered or self._gather is not None:
+            return
+        self.full.untyped_storage().resize_(self.layout.padded * self.full.element_size())
+        self._gather = self.comm.all_gather(self._full_writer, self.p_shard, self.groups.p, phase)
+
+    def wait_gather(self, phase: str) -> None:
+        if self.gathered:
+            return
+        if self._gather is None:
+            self.start_gather(phase)
+        self._gather.wait()
+        self._gather, self.gathered = None, True
+
+    def free(self) -> None:
+        if self.deg.p == 1 or not self.gathered:
+            return
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    # ---- gradients ----
+    def flatten_grads(self) -> torch.Tensor:
+        """This micro-batch's parameter grads -> one padded buffer in the grad dtype; grads dropped."""
+        flat = torch.empty(self.layout.padded, dtype=self.grad_dtype, device=self.device)
+        end = 0
+        for s in self.slots:
+            p = self.param(s)
+            if p.grad is None:
+                raise RuntimeError(f"{s.name} received no gradient in this backward")
+            flat[s.offset:s.offset + s.numel].copy_(p.grad.reshape(-1))
+            p.grad = None
+            end = s.offset + s.numel
+        flat[end:].zero_()
+        return flat
+
+    def launch_grad_reduce(self, flat: torch.Tensor) -> None:
+        if self.deg.g == 1:
+            self.g_shard.add_(flat)  # the local shard is the whole buffer: nothing to send
+            return
+        with self.comm.permute_timer():
+            send = self.layout.grad_send_order(flat)
+        out = torch.empty(self.layout.g_size, dtype=self.grad_dtype, device=self.device)
+        self._grad_rs = (self.comm.reduce_scatter(out, send, self.groups.g, "grad"), out)
+
+    def finish_grad_reduce(self) -> None:
+        if self._grad_rs is None:
+            return
+        handle, out = self._grad_rs
+        handle.wait()
+        self.g_shard.add_(out)
+        self._grad_rs = None
+
+    def launch_os_reduce(self) -> None:
+        """Last micro-batch: G shard -> OS shard inside the OS group (stride-g ranks)."""
+        lay = self.layout
+        if self.deg.os == self.deg.g:
+            self._os_rs = (None, self.g_shard)
+            return
+        send = self.g_shard if self.grad_dtype == torch.float32 else self.g_shard.to(self.grad_dtype)
+        out = torch.empty(lay.chunk, dtype=self.grad_dtype, device=self.device)
+        self._os_rs = (self.comm.reduce_scatter(out, send, self.groups.g_to_os, "grad_to_os"), out)
+
+    def launch_replica_reduce(self) -> None:
+        """All-reduce the OS-shard gradient across the OS replicas (the only traffic that must
+        cross nodes when os fills whole nodes)."""
+        handle, shard = self._os_rs
+        if handle is not None:
+            handle.wait()
+        self._os_rs = None
+        if shard.dtype != self.grad_dtype:
+            shard = shard.to(self.grad_dtype)
+        if self.replicas == 1:
+            self._replica = (None, shard)
+            return
+        self._replica = (self.comm.all_reduce(shard, self.groups.os_replica, "grad_replica"), shard)
+
+    def finish_sync(self) -> None:
+        handle, shard = self._replica
+        if handle is not None:
+            handle.wait()
+        self._replica = None
+        self.os_grad = shard if shard.dtype == torch.float32 else shard.float()
+
+    def zero_grad_state(self) -> None:
+        self.g_shard.zero_()
+        self.os_grad = None
+
+    # ---- parameter spread ----
+    @torch.no_grad()
+    def launch_spread(self) -> None:
+        src = self.master.to(self.compute_dtype)
+        if self.deg.os == self.deg.p:
+            self._spread = (None, src)
+            return
+        recv = torch.empty(self.layout.p_size, dtype=self.compute_dtype, device=self.device)
+        self._spread = (self.comm.all_gather(recv, src, self.groups.spread, "spread"), recv)
+
+    @torch.no_grad()
+    def finish_spread(self) -> None:
+        if self._spread is None:
+            return
+        handle, recv = self._spread
+        if handle is not None:
+            handle.wait()
+        with self.comm.permute_timer():
+            self.layout.spread_to_p_order(recv, self.p_shard)
+        self._spread = None
+        self.version += 1
+
+    @property
+    def spread_pending(self) -> bool:
+        return self._spread is not None
