@@ -25,7 +25,8 @@ from amsp.metrics.plot import plot_run
 from amsp.metrics.wandb_logger import WandbLogger
 from amsp.optim import WarmupCosine, param_groups
 from configs.schema import register_configs, to_llama_config
-from data.temporary_text import TemporaryStdlibBytes
+from data.loader import MicroBatchLoader
+from data.pipeline import build_data
 from models.llama import build_model, flops_per_token
 
 log = logging.getLogger("train")
@@ -125,6 +126,12 @@ def main(cfg: DictConfig) -> None:
         raise ValueError(f"data.seq_len={seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}")
     gbs, accum = batch_geometry(cfg, denv.world_size)
     mbs = cfg.trainer.micro_batch_size
+    # Data first: every problem with files or the tokenizer surfaces before model state exists.
+    data = build_data(cfg.data, seq_len=seq_len, seed=cfg.trainer.seed if cfg.data.seed is None else cfg.data.seed,
+                      train_samples=cfg.trainer.max_steps * gbs, model_vocab_size=model_cfg.vocab_size)
+    log.info("unigram entropy of the training tokens: %.4f nats (the loss of a model that knows only token "
+             "frequencies)", data.unigram_entropy)
+    train_loader = MicroBatchLoader(data.train, gbs, mbs, denv.rank, denv.world_size, prefetch=cfg.data.prefetch)
 
     model = build_model(model_cfg, device=device, dtype=dtype, seed=cfg.trainer.seed)
     n_params = sum(p.numel() for p in model.parameters())
@@ -136,9 +143,6 @@ def main(cfg: DictConfig) -> None:
     optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2),
                                   eps=o.eps, foreach=True)
     schedule = WarmupCosine(o.lr, o.min_lr, o.warmup_steps, o.decay_steps or cfg.trainer.max_steps)
-    source = TemporaryStdlibBytes(seq_len, cfg.data.max_bytes, seed=cfg.trainer.seed)
-    if model_cfg.vocab_size < 256:
-        raise ValueError(f"the temporary byte source needs vocab_size >= 256, model has {model_cfg.vocab_size}")
 
     tokens_per_step = gbs * seq_len
     # TODO(checkpointing): pass the run id stored in the checkpoint as resume_id.
@@ -152,7 +156,7 @@ def main(cfg: DictConfig) -> None:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=device)
         for micro in range(accum):
-            x, y = source.batch(step, micro, denv.rank, mbs)
+            x, y = next(train_loader)
             timer.lap("data_wait")
             loss = model(x.to(device), y.to(device))
             (loss / accum).backward()

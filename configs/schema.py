@@ -21,11 +21,28 @@ class ModelConfig(LlamaConfig):
 
 
 @dataclass
+class BuiltinCorpusConfig:
+    """The Python stdlib corpus used when neither data.prefix nor data.blend is set."""
+    max_bytes: int = 12_000_000  # of stdlib sources, in path order
+    vocab_size: int = 8000  # BPE pieces; padded to 8064 it fits the tiny model's 8192
+    workers: int = 2  # tokenizer processes for the one-time preprocessing
+
+
+@dataclass
 class DataConfig:
     seq_len: int = 256
-    # Temporary byte-level source until the tokenized pipeline lands (data/temporary_text.py).
-    source: str = "temporary_stdlib_bytes"
-    max_bytes: int = 4_000_000
+    # One preprocessed dataset (PREFIX.bin/.idx from python -m data.preprocess) ...
+    prefix: Optional[str] = None
+    # ... or several with weights: [[0.7, PREFIX1], [0.3, PREFIX2]]. Neither: the built-in corpus.
+    blend: Optional[List[Any]] = None
+    tokenizer: Optional[str] = None  # sentencepiece .model the datasets were made with
+    split: List[float] = field(default_factory=lambda: [98.0, 2.0])  # train/validation by documents
+    valid_samples: int = 256  # size of the validation set (samples of seq_len + 1 tokens)
+    seed: Optional[int] = None  # sample order seed; None = trainer.seed
+    pad_vocab_multiple: int = 128  # tokenizer vocabulary padded to this multiple must fit model.vocab_size
+    prefetch: int = 4  # micro-batches read ahead by the loader thread
+    cache_dir: Optional[str] = None  # built-in corpus and sample indices; None = <repo>/.cache
+    builtin: BuiltinCorpusConfig = field(default_factory=BuiltinCorpusConfig)
 
 
 @dataclass

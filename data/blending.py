@@ -1,0 +1,69 @@
+"""Blending several datasets by weight: data.blend=[[0.7,PATH1],[0.3,PATH2]].
+
+Global sample i comes from dataset dataset_index[i], as that dataset's sample
+dataset_sample_index[i]; the greedy assignment (build_blending_index) keeps every prefix of the
+order within one sample of the requested proportions.
+"""
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Sequence
+
+import numpy as np
+
+from data import index_builders
+from data.cache import cache_key, locked, save_json, save_npy
+from data.errors import DataError
+
+_BLEND_VERSION = 1
+
+
+def parse_blend(blend: Any) -> list[tuple[float, str]]:
+    """[[weight, prefix], ...] -> [(weight, prefix)], with one-line errors naming data.blend."""
+    items = list(blend) if blend is not None else []
+    out = []
+    for k, item in enumerate(items):
+        if isinstance(item, str) or not hasattr(item, "__len__") or len(item) != 2:
+            raise DataError("data.blend", f"entry {k} is {item!r}; expected [weight, prefix]")
+        w, prefix = item[0], item[1]
+        try:
+            w = float(w)
+        except (TypeError, ValueError):
+            raise DataError("data.blend", f"entry {k}: weight {w!r} is not a number") from None
+        if not np.isfinite(w) or w <= 0:
+            raise DataError("data.blend", f"entry {k}: weight {w} must be positive")
+        out.append((w, str(prefix)))
+    if not out:
+        raise DataError("data.blend", "is empty; give [[weight, prefix], ...]")
+    return out
+
+
+def blending_index(weights: Sequence[float], size: int, cache_dir: pathlib.Path) -> tuple[np.ndarray, np.ndarray]:
+    """(dataset_index, dataset_sample_index) for `size` samples, cached on disk."""
+    inputs = {"v": _BLEND_VERSION, "weights": [float(w) for w in weights], "size": int(size)}
+    d = cache_dir / "blend" / cache_key(inputs)
+    with locked(d):
+        if not (d / "done.json").exists():
+            d.mkdir(parents=True, exist_ok=True)
+            di, dsi = index_builders.build_blending_index(np.asarray(weights, dtype=np.float64), size)
+            save_npy(d / "dataset_index.npy", di)
+            save_npy(d / "dataset_sample_index.npy", dsi)
+            save_json(d / "done.json", inputs)
+    return np.load(d / "dataset_index.npy", mmap_mode="r"), np.load(d / "dataset_sample_index.npy", mmap_mode="r")
+
+
+class BlendedDataset:
+    def __init__(self, datasets: Sequence, dataset_index: np.ndarray, dataset_sample_index: np.ndarray):
+        self.datasets, self.dataset_index, self.dataset_sample_index = list(datasets), dataset_index, dataset_sample_index
+        for d, ds in enumerate(self.datasets):
+            need = int(np.count_nonzero(np.asarray(dataset_index) == d))
+            if len(ds) < need:
+                raise ValueError(f"blended dataset {d} has {len(ds)} samples, the blend needs {need}")
+
+    def __len__(self) -> int:
+        return len(self.dataset_index)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not 0 <= i < len(self.dataset_index):
+            raise IndexError(f"blended sample {i} out of range [0, {len(self.dataset_index)})")
+        return self.datasets[int(self.dataset_index[i])][int(self.dataset_sample_index[i])]

@@ -1,0 +1,121 @@
+"""Fixed-length samples packed across document boundaries (Megatron GPTDataset semantics).
+
+A split is a contiguous range of an indexed dataset's documents. Its documents are visited epoch
+after epoch, each epoch in its own seeded order (build_doc_index), laid end to end and cut into
+samples of seq_len + 1 tokens that share one token with the next (build_sample_index); the samples
+are then visited in a seeded order (build_shuffle_index). The three index arrays are cached on disk,
+keyed by everything they depend on.
+"""
+from __future__ import annotations
+
+import logging
+import pathlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from data import index_builders
+from data.cache import cache_key, file_identity, locked, save_json, save_npy
+from data.errors import DataError
+from data.indexed_dataset import IndexedDataset, idx_path
+
+log = logging.getLogger(__name__)
+_INDEX_VERSION = 1  # bump when the index recipe changes, so stale caches are not reused
+
+
+def split_documents(num_docs: int, weights: list[float], where: str) -> list[tuple[int, int]]:
+    """Contiguous document ranges for train/validation(/test) split weights (Megatron's --split)."""
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 1 or not 1 <= len(w) <= 3 or np.any(w < 0) or w[0] <= 0:
+        raise DataError("data.split", f"expected 1-3 non-negative weights with a positive train weight, got {weights}")
+    bounds = np.round(np.concatenate([[0], np.cumsum(w / w.sum())]) * num_docs).astype(np.int64)
+    counts = np.diff(bounds)
+    # A requested validation/test split gets at least one document while train keeps at least one.
+    for k in range(1, len(w)):
+        if w[k] > 0 and counts[k] == 0 and counts[0] > 1:
+            counts[k], counts[0] = 1, counts[0] - 1
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    ranges = [(int(bounds[k]), int(bounds[k + 1])) for k in range(len(w))]
+    if ranges[0][1] <= ranges[0][0]:
+        raise DataError(where, f"{num_docs} documents leave none for training with data.split={weights}")
+    return ranges
+
+
+def epochs_needed(tokens_per_epoch: int, seq_len: int, num_samples: int) -> int:
+    """Fewest epochs whose token stream holds num_samples samples (each needs seq_len new tokens + 1)."""
+    if tokens_per_epoch <= 0:
+        raise ValueError("epochs_needed: the split has no tokens")
+    return max(1, -(-(num_samples * seq_len + 1) // tokens_per_epoch))
+
+
+@dataclass
+class SampleIndex:
+    doc_index: np.ndarray  # int32, positions within the split's documents
+    sample_index: np.ndarray  # int64 (n + 1, 2)
+    shuffle_index: np.ndarray  # int64 (n,)
+
+
+class GPTDataset:
+    """Samples of seq_len + 1 tokens from documents [doc_range) of an indexed dataset."""
+
+    def __init__(self, indexed: IndexedDataset, doc_range: tuple[int, int], seq_len: int, num_samples: int,
+                 seed: int, cache_dir: pathlib.Path, name: str = "train"):
+        self.indexed, self.seq_len, self.name = indexed, seq_len, name
+        self.doc_start, self.doc_end = doc_range
+        self.doc_lengths = np.ascontiguousarray(indexed.doc_lengths[self.doc_start:self.doc_end]).astype(np.int32)
+        tokens = int(self.doc_lengths.sum(dtype=np.int64))
+        if tokens == 0:
+            raise DataError(idx_path(indexed.prefix), f"the {name} split (documents {self.doc_start}..{self.doc_end}) "
+                                                      "has no tokens")
+        self.num_epochs = epochs_needed(tokens, seq_len, num_samples)
+        # Every sample the chosen epochs hold is indexed, so the order depends on the epoch count,
+        # not on the exact number of samples asked for.
+        self.num_samples = (self.num_epochs * tokens - 1) // seq_len
+        inputs = {"v": _INDEX_VERSION, "idx": file_identity(idx_path(indexed.prefix)), "docs": list(doc_range),
+                  "seq_len": seq_len, "epochs": self.num_epochs, "seed": seed}
+        self.index = _load_or_build(cache_dir / "index" / cache_key(inputs), inputs,
+                                    lambda: self._build(seed))
+        log.info("%s split of %s: %d documents, %d tokens, %d epochs -> %d samples of %d+1 tokens",
+                 name, indexed.prefix, self.doc_end - self.doc_start, tokens, self.num_epochs, self.num_samples,
+                 seq_len)
+
+    def _build(self, seed: int) -> SampleIndex:
+        doc_index = index_builders.build_doc_index(len(self.doc_lengths), self.num_epochs, seed)
+        sample_index = index_builders.build_sample_index(self.doc_lengths, doc_index, self.seq_len, self.num_samples)
+        shuffle_index = index_builders.build_shuffle_index(self.num_samples, seed)
+        return SampleIndex(doc_index, sample_index, shuffle_index)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        """Tokens of the i-th sample in visiting order (int64, seq_len + 1)."""
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"{self.name} sample {i} out of range [0, {self.num_samples})")
+        j = int(self.index.shuffle_index[i])
+        (r0, o0), (r1, o1) = self.index.sample_index[j], self.index.sample_index[j + 1]
+        docs = self.doc_start + self.index.doc_index[r0:r1 + 1].astype(np.int64)
+        if r0 == r1:
+            return self.indexed.doc(int(docs[0]), int(o0), int(o1 - o0 + 1)).astype(np.int64)
+        pieces = [self.indexed.doc(int(docs[0]), int(o0))]
+        pieces += [self.indexed.doc(int(d)) for d in docs[1:-1]]
+        pieces.append(self.indexed.doc(int(docs[-1]), 0, int(o1 + 1)))
+        return np.concatenate(pieces).astype(np.int64)
+
+    def token_span(self) -> tuple[int, int]:
+        """[start, end) of this split's tokens in the .bin (documents are stored contiguously)."""
+        start = int(self.indexed.doc_starts[self.doc_start])
+        last = self.doc_end - 1
+        return start, int(self.indexed.doc_starts[last] + self.indexed.doc_lengths[last])
+
+
+def _load_or_build(d: pathlib.Path, inputs: dict, build) -> SampleIndex:
+    names = ("doc_index", "sample_index", "shuffle_index")
+    with locked(d):
+        if not (d / "done.json").exists():
+            d.mkdir(parents=True, exist_ok=True)
+            built = build()
+            for n in names:
+                save_npy(d / f"{n}.npy", getattr(built, n))
+            save_json(d / "done.json", inputs)  # written last: marks the entry complete
+    return SampleIndex(*(np.load(d / f"{n}.npy", mmap_mode="r") for n in names))

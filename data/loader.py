@@ -1,0 +1,121 @@
+"""Per-rank micro-batches with background prefetch, resumable by consumed-sample count.
+
+A thread reads ahead into a bounded queue while the training step runs; the time the loop spends
+waiting on that queue is accumulated so the log line can report it. The loader's whole state is the
+number of global samples consumed by completed steps, which the checkpoint stores.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from data.sampling import micro_batch_indices, rank_block
+
+_DONE = object()
+
+
+def collate(rows: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    """seq_len + 1 tokens per sample -> (inputs, targets), each (batch, seq_len) int64."""
+    batch = torch.from_numpy(np.stack(rows))
+    return batch[:, :-1], batch[:, 1:]
+
+
+class MicroBatchLoader:
+    def __init__(self, source, global_batch: int, micro_batch: int, rank: int = 0, world: int = 1,
+                 consumed_samples: int = 0, prefetch: int = 4):
+        self.source, self.global_batch, self.micro_batch = source, global_batch, micro_batch
+        self.rank, self.world, self.prefetch = rank, world, max(1, prefetch)
+        micro_batch_indices(0, global_batch, micro_batch, rank, world)  # validates the geometry now
+        self.micro_per_step = global_batch // world // micro_batch
+        self._wait = 0.0
+        self._thread: threading.Thread | None = None
+        self._start(consumed_samples)
+
+    # ---- producer ----
+    def _start(self, consumed: int) -> None:
+        self.consumed_samples = consumed
+        self._taken = 0  # micro-batches handed out in the current step
+        self._queue: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, args=(consumed, self._queue, self._stop),
+                                        name=f"data-prefetch-rank{self.rank}", daemon=True)
+        self._thread.start()
+
+    def _produce(self, consumed: int, q: queue.Queue, stop: threading.Event) -> None:
+        def put(item) -> bool:
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        try:
+            while True:
+                for idx in micro_batch_indices(consumed, self.global_batch, self.micro_batch, self.rank, self.world):
+                    if idx[-1] >= len(self.source):
+                        put(_DONE)
+                        return
+                    if not put(collate([self.source[int(i)] for i in idx])):
+                        return
+                consumed += self.global_batch
+        except BaseException as e:  # handed to the training loop, which re-raises it
+            put(e)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    # ---- consumer ----
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        t0 = time.perf_counter()
+        item = self._queue.get()
+        self._wait += time.perf_counter() - t0
+        if item is _DONE:
+            self._queue.put(_DONE)
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        self._taken += 1
+        if self._taken == self.micro_per_step:  # the step's last micro-batch: its samples are consumed
+            self._taken = 0
+            self.consumed_samples += self.global_batch
+        return item
+
+    def take_wait_seconds(self) -> float:
+        """Seconds spent waiting for data since the previous call."""
+        w, self._wait = self._wait, 0.0
+        return w
+
+    # ---- checkpointing ----
+    def state_dict(self) -> dict:
+        return {"consumed_samples": int(self.consumed_samples)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.close()
+        self._start(int(state["consumed_samples"]))
+
+
+def validation_batches(source, micro_batch: int, rank: int = 0, world: int = 1,
+                       num_samples: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's micro-batches over the first num_samples validation samples (whole batches only).
+
+    Samples [k*B, (k+1)*B) with B = micro_batch * world form round k; each rank takes its block, so
+    the ranks together cover every validation sample once.
+    """
+    total = len(source) if num_samples is None else min(num_samples, len(source))
+    per_round = micro_batch * world
+    for start in range(0, total - per_round + 1, per_round):
+        block = rank_block(start, per_round, rank, world)
+        yield collate([source[i] for i in block])

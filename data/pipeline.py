@@ -1,0 +1,121 @@
+"""From the `data` config to the training and validation sample sources.
+
+Everything that can be wrong with the data (missing or corrupt files, a tokenizer that does not
+fit the model or does not match the dataset) is found here, before any model state exists.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from data.blending import BlendedDataset, blending_index, parse_blend
+from data.builtin_corpus import prepare_builtin
+from data.cache import resolve_cache_dir
+from data.dataset import GPTDataset, split_documents
+from data.errors import DataError
+from data.indexed_dataset import IndexedDataset, bin_path, idx_path
+from data.preprocess import read_metadata
+from data.tokenizer import Tokenizer, check_fits_model
+
+log = logging.getLogger(__name__)
+_ENTROPY_MAX_TOKENS = 100_000_000  # per dataset; the estimate is stable long before that
+
+
+@dataclass
+class TrainData:
+    tokenizer: Tokenizer
+    padded_vocab_size: int
+    train: Any  # GPTDataset | BlendedDataset: len() and [global sample index] -> int64 tokens
+    valid: Any | None
+    unigram_entropy: float  # nats per token over the training split (blend-weighted)
+
+
+def _check_matches_tokenizer(ds: IndexedDataset, tok: Tokenizer) -> None:
+    meta = read_metadata(ds.prefix)
+    if meta is not None:
+        if meta.get("tokenizer_sha256") not in (None, tok.fingerprint()):
+            raise DataError(f"{ds.prefix}.json", f"dataset was tokenized with {meta.get('tokenizer')} but "
+                                                 f"data.tokenizer is {tok.model_file} (different models)")
+        max_id = int(meta.get("max_token_id", -1))
+    else:
+        # Files from other tools carry no tokenizer record: check the ids themselves once.
+        max_id = int(ds.tokens().max()) if ds.num_tokens else -1
+    if max_id >= tok.vocab_size:
+        raise DataError(bin_path(ds.prefix), f"holds token id {max_id} but tokenizer {tok.model_file} has only "
+                                             f"{tok.vocab_size} pieces (dataset made with another tokenizer?)")
+
+
+def _unigram_counts(ds: GPTDataset, vocab: int) -> np.ndarray:
+    start, end = ds.token_span()
+    tokens = ds.indexed.tokens()[start:min(end, start + _ENTROPY_MAX_TOKENS)]
+    return np.bincount(np.asarray(tokens, dtype=np.int64), minlength=vocab)[:vocab]
+
+
+def unigram_entropy(datasets: list[GPTDataset], weights: list[float], vocab: int) -> float:
+    """Entropy in nats of the blend-weighted unigram distribution of the training tokens."""
+    p = np.zeros(vocab, dtype=np.float64)
+    for ds, w in zip(datasets, weights):
+        c = _unigram_counts(ds, vocab)
+        p += w / sum(weights) * c / c.sum()
+    p = p[p > 0]
+    return float(-(p * np.log(p)).sum())
+
+
+def _sources(cfg: Any) -> tuple[list[tuple[float, str]], str]:
+    if cfg.prefix and cfg.blend:
+        raise DataError("data.prefix", "set data.prefix or data.blend, not both")
+    if cfg.prefix or cfg.blend:
+        if not cfg.tokenizer:
+            raise DataError("data.tokenizer", "is required with data.prefix / data.blend (the .model used by "
+                                              "python -m data.preprocess)")
+        return (parse_blend(cfg.blend) if cfg.blend else [(1.0, str(cfg.prefix))]), str(cfg.tokenizer)
+    if cfg.tokenizer:
+        raise DataError("data.tokenizer", "is only used with data.prefix or data.blend; the built-in corpus "
+                                          "trains its own")
+    b = cfg.builtin
+    corpus = prepare_builtin(resolve_cache_dir(cfg.cache_dir), b.max_bytes, b.vocab_size, b.workers)
+    log.info("data: built-in corpus (%d Python stdlib files, %.1f MB)", corpus.documents, corpus.num_bytes / 1e6)
+    return [(1.0, corpus.prefix)], corpus.tokenizer_model
+
+
+def _build_split(parts: list[tuple[float, IndexedDataset, tuple[int, int]]], seq_len: int, num_samples: int,
+                 seed: int, cache, name: str):
+    if len(parts) == 1:
+        _, ind, rng = parts[0]
+        ds = GPTDataset(ind, rng, seq_len, num_samples, seed, cache, name)
+        return ds, [ds]
+    di, dsi = blending_index([w for w, _, _ in parts], num_samples, cache)
+    counts = np.bincount(np.asarray(di, dtype=np.int64), minlength=len(parts))
+    members = [GPTDataset(ind, rng, seq_len, max(1, int(c)), seed, cache, name)
+               for (_, ind, rng), c in zip(parts, counts)]
+    return BlendedDataset(members, di, dsi), members
+
+
+def build_data(cfg: Any, *, seq_len: int, seed: int, train_samples: int, model_vocab_size: int) -> TrainData:
+    """cfg is the `data` config node; train_samples = steps x global batch."""
+    specs, tok_path = _sources(cfg)
+    tok = Tokenizer(tok_path)
+    padded = check_fits_model(tok, model_vocab_size, cfg.pad_vocab_multiple)
+    cache = resolve_cache_dir(cfg.cache_dir)
+    train_parts, valid_parts = [], []
+    for w, prefix in specs:
+        ind = IndexedDataset(prefix)
+        if ind.num_docs == 0:
+            raise DataError(idx_path(prefix), "dataset has no documents")
+        _check_matches_tokenizer(ind, tok)
+        ranges = split_documents(ind.num_docs, list(cfg.split), idx_path(prefix))
+        train_parts.append((w, ind, ranges[0]))
+        if len(ranges) > 1 and ranges[1][1] > ranges[1][0]:
+            valid_parts.append((w, ind, ranges[1]))
+    train, members = _build_split(train_parts, seq_len, train_samples, seed, cache, "train")
+    valid = None
+    if cfg.valid_samples > 0 and len(valid_parts) == len(train_parts):
+        valid, _ = _build_split(valid_parts, seq_len, cfg.valid_samples, seed, cache, "valid")
+    entropy = unigram_entropy(members, [w for w, _, _ in train_parts], tok.vocab_size)
+    if not math.isfinite(entropy):
+        raise DataError("data", "unigram entropy of the training tokens is not finite")
+    return TrainData(tok, padded, train, valid, entropy)
