@@ -9,9 +9,10 @@ Two scopes per collective kind:
   * inter: bus bandwidth through one node's network interfaces (all NICs together), the resource
     that every group crossing that node's boundary shares (DESIGN.md §3; see cost_model.py).
 Each scope holds (message bytes -> GB/s) points, interpolated linearly in log(message size) and
-clamped at the ends. A kind/scope without points uses the alpha-beta fallback
-  time = latency + bytes * factor / bandwidth,
-whose use is logged once, so a missing measurement never goes unnoticed.
+clamped at the ends. A kind/scope without points uses the alpha-beta fallback's bandwidth, and
+that use is logged once, so a missing measurement never goes unnoticed. The latency of a scope is
+per ring step (the cost model multiplies it by the steps of the algorithm), so the two together are
+the alpha-beta model  time = steps * alpha + bytes * factor / beta.
 """
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ class BandwidthCurve:
 
 @dataclass(frozen=True)
 class AlphaBeta:
-    latency_s: float
+    latency_s: float  # per ring step
     gbps: float  # bus bandwidth in the same convention as the curves
 
 
@@ -121,7 +122,8 @@ class ClusterSpec:
         return replace(self, nodes=nodes, ranks_per_node=ranks_per_node)
 
     def collective_time(self, kind: str, scope: str, nbytes: float, factor: float) -> float:
-        """Seconds to move nbytes*factor at this scope's bus bandwidth for a message of nbytes."""
+        """Seconds to move nbytes*factor at this scope's bus bandwidth for a message of nbytes
+        (bandwidth only: the cost model adds the per-step latencies)."""
         if factor == 0:
             return 0.0
         curve = self.curves.get((kind, scope))
@@ -130,9 +132,9 @@ class ClusterSpec:
         ab = self.fallback[scope]
         if (self.name, kind, scope) not in _warned:
             _warned.add((self.name, kind, scope))
-            log.info("cluster %s: no %s bandwidth points for %s; using alpha-beta %.1f us + %.2f GB/s",
-                     self.name, scope, kind, ab.latency_s * 1e6, ab.gbps)
-        return ab.latency_s + nbytes * factor / (ab.gbps * 1e9)
+            log.info("cluster %s: no %s bandwidth points for %s; using the alpha-beta bandwidth %.2f GB/s",
+                     self.name, scope, kind, ab.gbps)
+        return nbytes * factor / (ab.gbps * 1e9)
 
     def describe(self) -> str:
         lines = [f"cluster {self.name}: {self.nodes} node(s) x {self.ranks_per_node} ranks, "
@@ -145,8 +147,9 @@ class ClusterSpec:
                     pts = "  ".join(f"{format_size(s)}:{bw:.3g}" for s, bw in c.points)
                 else:
                     ab = self.fallback[scope]
-                    pts = f"alpha-beta {ab.latency_s * 1e6:.0f} us + {ab.gbps:.3g} GB/s"
+                    pts = f"alpha-beta {ab.gbps:.3g} GB/s"
                 lines.append(f"  {scope:5s} {kind:14s} {pts}")
+            lines.append(f"  {scope:5s} latency per ring step {self.fallback[scope].latency_s * 1e6:.1f} us")
         return "\n".join(lines)
 
 

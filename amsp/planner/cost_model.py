@@ -13,8 +13,10 @@ A ring over the group crosses each node boundary once per direction, so one grou
 through a node's NICs whatever k is; the R/k groups of the same collective on that node run at once
 and share the NICs (DESIGN.md §3). So DDP's all_reduce of the full gradient (k = R, one group) and
 the all_reduce of 1/R shards among one rank per node (k = 1, R groups) load a node's NICs equally;
-what differs is the intra-node work and how often each runs. Beyond 2 nodes, each doubling of the
-node count adds one inter-node latency (tree / hierarchical algorithms).
+what differs is the intra-node work and how often each runs. Latency: a ring all_gather /
+reduce_scatter takes n-1 steps, each paying the per-step latency of the slowest link it crosses;
+an all_reduce inside a node is a ring (2(n-1) steps), across nodes NCCL's tree (2(k-1) intra steps
++ 2 ceil(log2 m) inter steps). The bandwidth curves are then read as pure bandwidth.
 
 Exposed time: the step is compute plus communication that compute cannot hide. Rules per unit, for
 M micro-batches (F, B: forward / backward compute of one block; B includes recomputation):
@@ -33,11 +35,10 @@ Each unit's exposure depends only on its own degrees and on fixed compute window
 is a constant plus a sum of per-group terms: the ILP optimises exactly this function (contention
 between a boundary unit's traffic and its neighbouring block's is ignored, the one approximation
 this buys).
-
-Objective = step time + COMM_TIEBREAK x unhidden communication time. When the step is compute-bound
-many plans hide their traffic equally well; the small second term then prefers the plan that moves
-less (fewer bytes across nodes), which is the robust choice when the overlap assumptions are off.
-It is a sum of per-group terms as well.
+Hidden communication is not free: NCCL kernels take SMs and memory bandwidth from the compute they
+overlap (gloo takes CPU cores), so every hidden second slows compute by Options.overlap_slowdown
+seconds (default 0.1, the 5-15% slowdown of overlapped GEMMs reported for FSDP/Megatron overlap).
+This also makes plans that hide their traffic equally well differ by how much they move.
 """
 from __future__ import annotations
 
@@ -51,7 +52,6 @@ from .cluster import ClusterSpec, ring_factor
 from .workload import Workload
 
 ADAM_BYTES_PER_ELEM = 28  # read grad+master+m+v, write master+m+v (fp32); plus the compute-weight write
-COMM_TIEBREAK = 0.01
 PHASES = ("forward", "backward", "grad", "grad_to_os", "grad_replica", "spread", "grad_norm")
 
 
@@ -61,12 +61,15 @@ class Options:
     memory_margin: float = 0.08
     reserved_bytes: int = 1 << 30
     overlap_spread: bool = True
+    overlap_slowdown: float = 0.1  # compute seconds lost per second of hidden communication
 
     def __post_init__(self) -> None:
         if not 0 < self.mfu <= 1:
             raise ValueError(f"assumed MFU must be in (0, 1], got {self.mfu}")
         if not 0 <= self.memory_margin < 1:
             raise ValueError(f"memory margin must be in [0, 1), got {self.memory_margin}")
+        if not 0 <= self.overlap_slowdown <= 1:
+            raise ValueError(f"overlap slowdown must be in [0, 1], got {self.overlap_slowdown}")
 
 
 @dataclass(frozen=True)
@@ -177,9 +180,6 @@ class CostModel:
     def constant_time_s(self) -> float:
         return self.compute_s() + sum(x.seconds * x.count for x in self.grad_norm())
 
-    def constant_objective(self) -> float:
-        return self.constant_time_s() + COMM_TIEBREAK * sum(x.seconds * x.count for x in self.grad_norm())
-
     def memory_budget(self) -> float:
         return self.c.device_memory_bytes * (1 - self.o.memory_margin) - self.o.reserved_bytes
 
@@ -198,14 +198,19 @@ class CostModel:
     # ---- pricing ----
     def _price(self, phase, kind, unit, n, k, m, nbytes, count) -> Priced:
         f = ring_factor(kind, n)
+        lat_intra, lat_inter = self.c.fallback["intra"].latency_s, self.c.fallback["inter"].latency_s
         if m == 1:
-            t = self.c.collective_time(kind, "intra", nbytes, f)
+            steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+            t = steps * lat_intra + self.c.collective_time(kind, "intra", nbytes, f)
         else:
+            if kind == "all_reduce":
+                lat = 2 * (k - 1) * lat_intra + 2 * math.ceil(math.log2(m)) * lat_inter
+            else:
+                lat = (n - 1) * lat_inter
             conc = self.c.ranks_per_node / k  # every group of this collective on a node shares its NICs
             t_inter = self.c.collective_time(kind, "inter", nbytes, f * conc)
-            t_inter += self.c.fallback["inter"].latency_s * max(0, math.ceil(math.log2(m)) - 1)
             t_intra = self.c.collective_time(kind, "intra", nbytes, ring_factor(kind, k)) if k > 1 else 0.0
-            t = max(t_inter, t_intra)
+            t = lat + max(t_inter, t_intra)
         return Priced(phase, kind, unit, n, k, m, nbytes, count, t)
 
     def unit_collectives(self, unit: Unit, deg: Degrees) -> list[Priced]:
@@ -259,8 +264,10 @@ class CostModel:
         bwd_last = bwd(red)
         s = padded_numel(self._numel[role], deg)
         opt = s // deg.os * (ADAM_BYTES_PER_ELEM + self._pb) / (self.c.memory_bandwidth_gbs * 1e9)
-        return {"forward": fwd_total, "backward": (m - 1) * bwd(0.0) + bwd_last, "spread": spread_exposed,
-                "optimizer": opt}
+        exposed = {"forward": fwd_total, "backward": (m - 1) * bwd(0.0) + bwd_last, "spread": spread_exposed}
+        raw = sum(x.seconds * x.count for x in cs.values())
+        hidden = max(0.0, raw - sum(exposed.values()))
+        return {**exposed, "contention": self.o.overlap_slowdown * hidden, "optimizer": opt}
 
     # ---- per-group terms (what the ILP combines) ----
     def roles_of(self, group: str) -> list[tuple[str, int]]:

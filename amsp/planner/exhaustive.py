@@ -17,21 +17,19 @@ from .terms import GroupTerms
 @dataclass(frozen=True)
 class Choice:
     plan: Plan
-    objective: float  # step time + tie-break term (cost_model.COMM_TIEBREAK)
-    step_time_s: float  # constant + both groups' exposed seconds
+    step_time_s: float  # the objective: constant + both groups' exposed seconds
     memory_bytes: float  # model states + gathered pair + constant parts (no margin)
 
 
-def grid(t: GroupTerms) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(objective, step time, memory) over [blocks candidate, embed_head candidate]."""
-    objective = t.constant_objective + t.objective[0][:, None] + t.objective[1][None, :]
+def grid(t: GroupTerms) -> tuple[np.ndarray, np.ndarray]:
+    """(step time, memory) over [blocks candidate, embed_head candidate]."""
     time = t.constant_s + t.exposed_s[0][:, None] + t.exposed_s[1][None, :]
     gathered = None
     for a, b in t.pairs:
         term = _role_axis(t, a) + _role_axis(t, b)
         gathered = term if gathered is None else np.maximum(gathered, term)
     memory = t.constant_bytes + t.state_bytes[0][:, None] + t.state_bytes[1][None, :] + gathered
-    return objective, time, memory
+    return time, memory
 
 
 def _role_axis(t: GroupTerms, role: str) -> np.ndarray:
@@ -44,14 +42,14 @@ def _plan(t: GroupTerms, i: int, j: int, name: str = "auto") -> Plan:
 
 
 def ranked(t: GroupTerms, k: int) -> list[Choice]:
-    """The k best plans that fit, best objective first; ties broken by less memory, then smaller degrees."""
-    objective, time, memory = grid(t)
+    """The k best plans that fit, fastest first; ties broken by less memory, then smaller degrees."""
+    time, memory = grid(t)
     ok = np.argwhere(memory <= t.budget_bytes)
     if len(ok) == 0:
         return []
     i, j = ok[:, 0], ok[:, 1]
-    order = np.lexsort((j, i, memory[i, j], objective[i, j]))[:k]
-    return [Choice(_plan(t, a, b), float(objective[a, b]), float(time[a, b]), float(memory[a, b]))
+    order = np.lexsort((j, i, memory[i, j], time[i, j]))[:k]
+    return [Choice(_plan(t, a, b), float(time[a, b]), float(memory[a, b]))
             for a, b in ok[order]]
 
 
@@ -61,7 +59,6 @@ def best(t: GroupTerms) -> Choice | None:
 
 
 def smallest_memory(t: GroupTerms) -> Choice:
-    objective, time, memory = grid(t)
+    time, memory = grid(t)
     i, j = np.unravel_index(np.argmin(memory), memory.shape)
-    return Choice(_plan(t, int(i), int(j), "min-mem"), float(objective[i, j]), float(time[i, j]),
-                  float(memory[i, j]))
+    return Choice(_plan(t, int(i), int(j), "min-mem"), float(time[i, j]), float(memory[i, j]))

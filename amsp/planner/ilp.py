@@ -6,10 +6,9 @@ with sum_c x[g, c] = 1; a continuous z >= the bytes of every pair of simultaneou
 (current + prefetched next), which linearises that max exactly.
 Memory (one constraint per rank; every rank holds the same shards):
     sum_{g,c} x[g,c] * state_bytes[g,c] + z + activations + buckets <= budget
-Objective: the cost model's step time, constant + sum_{g,c} x[g,c] * exposed_s[g,c], plus its small
-communication tie-break (cost_model.COMM_TIEBREAK). The cost model makes exposure a sum of per-unit
-terms on fixed compute windows (cost_model.py), so this linear objective IS the model's objective
-and the exhaustive search optimises the same function.
+Objective: the cost model's step time, constant + sum_{g,c} x[g,c] * exposed_s[g,c]. The cost model
+makes exposure a sum of per-unit terms on fixed compute windows (cost_model.py), so this linear
+objective IS the predicted step time and the exhaustive search optimises the same function.
 Seconds are scaled to milliseconds and bytes to GiB so that CBC's tolerances sit far below any
 difference that matters.
 """
@@ -56,7 +55,7 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
     for n, (a, b) in enumerate(t.pairs):
         prob += z >= role_expr(a) + role_expr(b), f"gathered_pair_{n}"
     prob += pulp.lpSum(x[k] * (t.state_bytes[k] / GIB) for k in x) + z <= budget, "memory_per_rank"
-    prob += pulp.lpSum(x[k] * (t.objective[k] * 1e3) for k in x)
+    prob += pulp.lpSum(x[k] * (t.exposed_s[k] * 1e3) for k in x)
     status = prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=0))
     elapsed = time.perf_counter() - t0
     name = pulp.LpStatus[status]
@@ -73,9 +72,8 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
         raise SolverError(f"CBC reported Optimal but selected {len(chosen)} of {len(UNIT_GROUPS)} groups")
     i, j = chosen[0], chosen[1]
     step = t.constant_s + t.exposed_s[0, i] + t.exposed_s[1, j]
-    objective = t.constant_objective + t.objective[0, i] + t.objective[1, j]
     gathered = max(t.gathered[a][chosen[t.role_group[a]]] + t.gathered[b][chosen[t.role_group[b]]]
                    for a, b in t.pairs)
     memory = t.constant_bytes + t.state_bytes[0, i] + t.state_bytes[1, j] + gathered
     plan = Plan(blocks=t.candidates[i], embed_head=t.candidates[j], name="auto")
-    return Choice(plan, float(objective), float(step), float(memory)), elapsed
+    return Choice(plan, float(step), float(memory)), elapsed

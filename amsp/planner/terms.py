@@ -2,7 +2,7 @@
 
 For each unit group and each valid degree triple: exposed seconds, model-state bytes and the bytes
 of one gathered unit per role. The step time of a plan is `constant_s` plus the two groups' exposed
-seconds (the objective adds the tie-break term of cost_model.py); its memory is the two groups' state bytes, the largest simultaneously gathered pair of
+seconds; its memory is the two groups' state bytes, the largest simultaneously gathered pair of
 units and the degree-independent parts (activations, gradient buckets).
 """
 from __future__ import annotations
@@ -13,20 +13,18 @@ import numpy as np
 
 from amsp.plan import Degrees, UNIT_GROUPS
 
-from .cost_model import COMM_TIEBREAK, CostModel
+from .cost_model import CostModel
 
 
 @dataclass
 class GroupTerms:
     candidates: list[Degrees]
     exposed_s: np.ndarray  # [group index, candidate]
-    objective: np.ndarray  # exposed + COMM_TIEBREAK * unhidden communication, [group index, candidate]
     state_bytes: np.ndarray  # [group index, candidate]
     gathered: dict  # role -> np.ndarray over candidates (bytes of one gathered unit of that role)
     role_group: dict  # role -> group index
     pairs: list  # (role, role) gathered together
     constant_s: float
-    constant_objective: float
     constant_bytes: float
     budget_bytes: float
 
@@ -34,7 +32,6 @@ class GroupTerms:
     def build(cls, model: CostModel) -> "GroupTerms":
         cands = model.candidates()
         exposed = np.zeros((len(UNIT_GROUPS), len(cands)))
-        objective = np.zeros((len(UNIT_GROUPS), len(cands)))
         state = np.zeros((len(UNIT_GROUPS), len(cands)))
         gathered: dict = {}
         role_group: dict = {}
@@ -42,10 +39,8 @@ class GroupTerms:
             for ci, d in enumerate(cands):
                 gc = model.group_cost(group, d)
                 exposed[gi, ci], state[gi, ci] = gc.exposed_s, gc.state_bytes
-                objective[gi, ci] = gc.exposed_s + COMM_TIEBREAK * gc.comm_s
                 for role, b in gc.gathered_bytes.items():
                     gathered.setdefault(role, np.zeros(len(cands)))[ci] = b
                     role_group[role] = gi
-        return cls(cands, exposed, objective, state, gathered, role_group, model.buffer_pairs(),
-                   model.constant_time_s(), model.constant_objective(),
+        return cls(cands, exposed, state, gathered, role_group, model.buffer_pairs(), model.constant_time_s(),
                    sum(model.constant_memory().values()), model.memory_budget())

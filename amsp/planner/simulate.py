@@ -1,0 +1,72 @@
+"""What-if across scales: predicted step time, tokens/s per GPU and MFU of the named presets and of
+the planner's choice, for one model and cluster type at several GPU counts (same global batch)."""
+from __future__ import annotations
+
+from amsp.plan import PRESET_NAMES, PlanError, make_plan
+
+from .cluster import ClusterSpec
+from .cost_model import CostModel, Options
+from .report import GIB, NoFeasiblePlan, plan_label
+from .solve import plan_cluster
+from .workload import Workload
+
+DEFAULT_GPUS = (8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def simulate(workload_at, cluster: ClusterSpec, options: Options, gpus=DEFAULT_GPUS) -> list[dict]:
+    """Rows {gpus, plan, degrees, step_s, tokens_per_s_per_gpu, mfu, memory_gib, fits, note}.
+
+    workload_at(world) -> Workload gives the workload at a world size (micro-batches follow the
+    fixed global batch), or raises ValueError when the batch does not divide."""
+    rows = []
+    r = cluster.ranks_per_node
+    for n in gpus:
+        base = {"gpus": n}
+        if n % r and n > r:
+            rows.append({**base, "plan": "-", "note": f"not a whole number of {r}-GPU nodes"})
+            continue
+        spec = cluster.with_shape(max(1, n // r), min(r, n))
+        try:
+            w: Workload = workload_at(n)
+        except ValueError as e:
+            rows.append({**base, "plan": "-", "note": str(e)})
+            continue
+        model = CostModel(w, spec, options)
+        for name in PRESET_NAMES:
+            try:
+                plan = make_plan(name, model.dp_world, model.dp_per_node)
+            except PlanError:
+                continue
+            rows.append({**base, **_row(model.evaluate(plan), w)})
+        try:
+            res = plan_cluster(w, spec, options, top_k=1, with_presets=False)
+            rows.append({**base, **_row(res.chosen, w)})
+        except NoFeasiblePlan as e:
+            rows.append({**base, "plan": "auto", "note": f"no plan fits (smallest {e.smallest.memory_total / GIB:.1f} "
+                                                         f"GiB)"})
+    return rows
+
+
+def _row(cost, w: Workload) -> dict:
+    cost.ranks_per_replica = w.tp * w.pp
+    return {"plan": cost.plan.name, "degrees": plan_label(cost.plan), "step_s": cost.step_time_s,
+            "tokens_per_s_per_gpu": cost.tokens_per_s_per_gpu, "mfu": cost.mfu,
+            "memory_gib": cost.memory_total / GIB, "fits": cost.fits,
+            "note": "" if cost.fits else "does not fit"}
+
+
+def format_simulation(rows: list[dict]) -> str:
+    head = (f"{'GPUs':>5} {'plan':<6} {'p/g/os (blocks | emb+head)':<30} {'step s':>8} {'tok/s/GPU':>10} "
+            f"{'MFU':>6} {'GiB/rank':>9}  note")
+    lines = [head, "-" * len(head)]
+    last = None
+    for r in rows:
+        if last is not None and r["gpus"] != last:
+            lines.append("")
+        last = r["gpus"]
+        if "step_s" not in r:
+            lines.append(f"{r['gpus']:>5} {r['plan']:<6} {'':<30} {'':>8} {'':>10} {'':>6} {'':>9}  {r['note']}")
+            continue
+        lines.append(f"{r['gpus']:>5} {r['plan']:<6} {r['degrees']:<30} {r['step_s']:8.3f} "
+                     f"{r['tokens_per_s_per_gpu']:10.0f} {r['mfu']:6.1%} {r['memory_gib']:9.1f}  {r['note']}")
+    return "\n".join(lines)
