@@ -73,7 +73,7 @@ def build_sample_index(doc_lengths: np.ndarray, doc_index: np.ndarray, seq_len: 
     row i to row i + 1 inclusive, so consecutive samples share one token (the last input's target is
     the next sample's first input). Equivalently, sample i starts at stream position i * seq_len,
     and a position p belongs to the first document whose end lies beyond p (empty documents are
-    skipped). This is exactly what Megatron's sequential build_sample_idx loop produces.
+    skipped), except that row 0 is always (0, 0). This is exactly what Megatron's sequential build_sample_idx loop produces.
     """
     if seq_len < 1 or num_samples < 0:
         raise ValueError(f"build_sample_index: seq_len={seq_len} must be >= 1 and num_samples={num_samples} >= 0")
@@ -87,7 +87,9 @@ def build_sample_index(doc_lengths: np.ndarray, doc_index: np.ndarray, seq_len: 
     positions = np.arange(num_samples + 1, dtype=np.int64) * seq_len
     rows = np.searchsorted(ends, positions, side="right")
     starts = ends[rows] - lengths[rows]
-    return np.stack([rows, positions - starts], axis=1).astype(np.int64)
+    out = np.stack([rows, positions - starts], axis=1).astype(np.int64)
+    out[0] = 0  # Megatron starts at (0, 0) even when the first document is empty (same tokens)
+    return out
 
 
 def build_shuffle_index(num_samples: int, seed: int) -> np.ndarray:
