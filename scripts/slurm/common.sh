@@ -1,0 +1,82 @@
+# shellcheck shell=bash
+# Shared by pretrain.sbatch and pretrain_srun.sbatch (sourced, not run): the Python to use, the
+# run directory, and the launch step with SIGUSR1 forwarding and requeue.
+#
+# Signals, and why they are routed this way:
+# - The scripts ask for `--signal=B:USR1@120`: 120 s before the time limit Slurm signals the batch
+#   shell only, the same as `scancel --batch --signal=USR1 <job>`. The shell remembers that a stop
+#   was asked for and passes SIGUSR1 to srun, which forwards it to every process of the step on
+#   every node. train.py finishes its step, saves a checkpoint and exits 0; the shell then
+#   requeues the job (same job id, so the same run directory) and the next start auto-resumes.
+# - `scancel --signal=USR1 <job>` (no --batch) signals the step's processes directly: the ranks
+#   checkpoint and exit 0 and the job ends COMPLETED without requeue ("checkpoint and stop").
+# - torchrun's agent has no SIGUSR1 handler (the default action would kill it and orphan its
+#   workers), so it is started with SIGUSR1 ignored; train.py installs its own handler, so the
+#   ranks still receive it.
+
+die() { echo "$(basename "${SCRIPT_PATH:-slurm}"): error: $*" >&2; exit 2; }
+note() { echo "[$(date +%H:%M:%S)] $(basename "${SCRIPT_PATH:-slurm}"): $*"; }
+
+# PYTHON if given, else the repository's .venv, else python3 from PATH (an activated environment
+# is exported to the job by sbatch). The choice is printed, never guessed silently.
+pick_python() {
+    if [[ -n ${PYTHON:-} ]]; then
+        [[ -x $PYTHON ]] || PYTHON=$(command -v "$PYTHON") || die "PYTHON=$PYTHON is not executable"
+    elif [[ -x $REPO_DIR/.venv/bin/python ]]; then
+        PYTHON=$REPO_DIR/.venv/bin/python
+    else
+        PYTHON=$(command -v python3) || die "no PYTHON given, no $REPO_DIR/.venv and no python3 on PATH"
+    fi
+    "$PYTHON" -c 'import torch, hydra' 2>/dev/null \
+        || die "$PYTHON cannot import torch and hydra; run 'make venv' in $REPO_DIR or set PYTHON"
+}
+
+# The run directory name comes from the job, so every rank on every node agrees on it without
+# talking, and a requeued job (same id) finds its own checkpoints. A trainer.run_name=... override
+# given after the script name comes later on the command line and wins.
+default_run_name() {
+    echo "${RUN_NAME:-${SLURM_JOB_NAME}-${SLURM_JOB_ID}}"
+}
+
+_stop_requested=0
+_step_pid=""
+
+_on_usr1() {
+    _stop_requested=1
+    note "received SIGUSR1: asking the ranks to checkpoint and exit"
+    if [[ -n $_step_pid ]]; then
+        kill -USR1 "$_step_pid" 2>/dev/null || true
+    fi
+}
+
+# run_step CMD...: runs the srun step in the background so the shell can take SIGUSR1 while it
+# runs (bash runs traps only between commands, and `wait` is interruptible), then requeues the
+# job if a stop was asked for and the ranks exited cleanly. Exits with the step's status.
+run_step() {
+    trap _on_usr1 USR1
+    "$@" &
+    _step_pid=$!
+    # A trapped signal makes `wait` return early; keep waiting while the step is alive.
+    while kill -0 "$_step_pid" 2>/dev/null; do
+        wait "$_step_pid" || true
+    done
+    local rc=0
+    wait "$_step_pid" || rc=$?
+    if ((_stop_requested)); then
+        if ((rc == 0)); then
+            note "ranks checkpointed and exited; requeueing job $SLURM_JOB_ID to resume from the checkpoint"
+            # Ends this batch script: Slurm kills it and queues the job again with the same id.
+            scontrol requeue "$SLURM_JOB_ID" || die "scontrol requeue $SLURM_JOB_ID failed; resubmit with trainer.run_name=$(default_run_name) to resume"
+            sleep 60
+            exit 0
+        fi
+        note "step exited with status $rc after SIGUSR1; not requeueing"
+    fi
+    note "step finished with status $rc"
+    exit "$rc"
+}
+
+print_header() {
+    note "job ${SLURM_JOB_ID} (${SLURM_JOB_NAME}), restart ${SLURM_RESTART_COUNT:-0}, nodes ${SLURM_JOB_NODELIST} (${SLURM_JOB_NUM_NODES})"
+    note "repository $REPO_DIR, python $PYTHON, working directory $(pwd)"
+}
