@@ -1,0 +1,132 @@
+"""Export a training checkpoint to a Hugging Face LlamaForCausalLM folder.
+
+    python -m models.llama.export_hf CKPT_DIR OUT_DIR [--dtype float32|bfloat16]
+
+CKPT_DIR is a torch.distributed.checkpoint directory whose entries `model.<parameter name>` hold
+full logical fp32 tensors flattened to 1-D, with the run's resolved config.yaml inside it or in its
+parent (model node under `model`, sentencepiece model path under `data.tokenizer` if any). Only the
+model entries are read, in this one process, without a process group; their shapes come from a
+meta-device model built from the saved config. OUT_DIR receives config.json, model.safetensors
+and, when the config names a tokenizer, tokenizer.model with its LlamaTokenizer config.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pathlib
+import sys
+import warnings
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from .hf import llama_config_from_dict, to_hf_config, to_hf_state_dict, write_tokenizer
+from .config import LlamaConfig
+from .model import Llama
+
+log = logging.getLogger(__name__)
+MODEL_PREFIX = "model."
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def find_config(ckpt_dir: pathlib.Path) -> pathlib.Path:
+    for cand in (ckpt_dir / "config.yaml", ckpt_dir.parent / "config.yaml"):
+        if cand.is_file():
+            return cand
+    raise FileNotFoundError(f"no config.yaml in {ckpt_dir} or its parent: the checkpoint's resolved config is needed")
+
+
+def read_saved_config(ckpt_dir: pathlib.Path) -> tuple[LlamaConfig, dict[str, Any]]:
+    from omegaconf import OmegaConf
+
+    # Resolve only what can be resolved: a saved config is already resolved by the trainer.
+    full = OmegaConf.to_container(OmegaConf.load(find_config(ckpt_dir)), resolve=True)
+    if not isinstance(full, dict) or not isinstance(full.get("model"), dict):
+        raise ValueError(f"{find_config(ckpt_dir)} has no `model` node")
+    return llama_config_from_dict(full["model"]), full
+
+
+def parameter_shapes(cfg: LlamaConfig) -> dict[str, torch.Size]:
+    # Kernel choices do not change shapes; pin portable ones so a config saved on a GPU cluster
+    # (flash_attn, te) exports on any machine.
+    portable = {"attention": "sdpa", "norm": "torch", "fused": "off"}
+    cfg = replace(cfg, **{k: v for k, v in portable.items() if k in LlamaConfig.field_names()})
+    with torch.device("meta"):
+        model = Llama(cfg)
+    return {n: p.shape for n, p in model.named_parameters()}
+
+
+def load_model_state(ckpt_dir: str | pathlib.Path, cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Full-shape fp32 parameters from the checkpoint's `model.*` entries (nothing else is read)."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt_dir = pathlib.Path(ckpt_dir)
+    if not (ckpt_dir / ".metadata").is_file():
+        raise FileNotFoundError(f"{ckpt_dir} is not a torch.distributed.checkpoint directory (no .metadata)")
+    meta = dcp.FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata
+    shapes = parameter_shapes(cfg)
+    stored = {k[len(MODEL_PREFIX):]: v for k, v in meta.items() if k.startswith(MODEL_PREFIX)}
+    missing, extra = sorted(set(shapes) - set(stored)), sorted(set(stored) - set(shapes))
+    if missing or extra:
+        raise ValueError(f"checkpoint does not match the saved model config: missing {missing[:5]}, "
+                         f"unexpected {extra[:5]}")
+    buffers = {}
+    for name, shape in shapes.items():
+        size = tuple(getattr(stored[name], "size", ()))
+        if size != (shape.numel(),):
+            raise ValueError(f"checkpoint entry model.{name} has size {size}, expected a flat ({shape.numel()},) "
+                             f"for shape {tuple(shape)}")
+        buffers[MODEL_PREFIX + name] = torch.empty(shape.numel(), dtype=torch.float32)
+    # no_dist: one process reads every entry in full, no process group needed.
+    with warnings.catch_warnings():  # single-process on purpose; the warning only says so
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(buffers, checkpoint_id=str(ckpt_dir), no_dist=True)
+    return {name: buffers[MODEL_PREFIX + name].view(shape) for name, shape in shapes.items()}
+
+
+def export(ckpt_dir: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: str = "float32") -> pathlib.Path:
+    from safetensors.torch import save_file
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    ckpt_dir, out_dir = pathlib.Path(ckpt_dir), pathlib.Path(out_dir)
+    cfg, full = read_saved_config(ckpt_dir)
+    state = load_model_state(ckpt_dir, cfg)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf = {k: v.to(DTYPES[dtype]) for k, v in to_hf_state_dict(state, cfg).items()}
+    save_file(hf, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    special: dict[str, int | None] = {"bos": None, "eos": None}
+    tok = (full.get("data") or {}).get("tokenizer")
+    if tok:
+        tok_path = pathlib.Path(tok)
+        if not tok_path.is_file():
+            raise FileNotFoundError(f"data.tokenizer={tok} from the saved config does not exist")
+        special = write_tokenizer(tok_path, out_dir, cfg.max_seq_len)
+    else:
+        log.warning("the saved config names no tokenizer (data.tokenizer): exported without one")
+    hf_cfg = to_hf_config(cfg, dtype, special["bos"], special["eos"])
+    (out_dir / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+    log.info("exported %d tensors (%s) to %s", len(hf), dtype, out_dir)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Export a training checkpoint to a Hugging Face Llama folder.")
+    ap.add_argument("ckpt_dir")
+    ap.add_argument("out_dir")
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                    help="weights dtype (float32 keeps the export lossless)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        export(args.ckpt_dir, args.out_dir, args.dtype)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
