@@ -85,7 +85,7 @@ def import_hf(hf_dir: str | pathlib.Path, out_dir: str | pathlib.Path) -> pathli
         tokenizer = str((out_dir / "tokenizer.model").resolve())
     else:
         log.warning("%s has no sentencepiece tokenizer.model: imported without a tokenizer", hf_dir)
-    write_checkpoint(state, cfg, out_dir, f"hf:{hf_dir.resolve().name}", tokenizer)
+    write_checkpoint(state, cfg, out_dir, f"hf_{hf_dir.resolve().name}", tokenizer)
     log.info("imported %d tensors from %s into %s", len(state), hf_dir, out_dir)
     return out_dir
 
