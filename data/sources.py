@@ -87,6 +87,8 @@ def iter_documents(inputs: Sequence[str], text_field: str = "text", split: str =
         raise DataError("--text-sample-by", f"{text_sample_by!r} is not one of document|line|paragraph")
     for source, builder in resolve_inputs(inputs):
         field = "text" if builder == "text" else text_field
+        if builder != "hub" and os.path.getsize(source) == 0:
+            continue  # an empty file holds no documents (datasets cannot infer its schema)
         try:
             ds = _open(source, builder, split, text_sample_by)
             it = iter(ds)

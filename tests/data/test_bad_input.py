@@ -1,0 +1,132 @@
+"""Each bad input is a one-line DataError naming the file (or key) and the problem; nothing is damaged."""
+import os
+import shutil
+from types import SimpleNamespace
+
+import pytest
+
+from data.errors import DataError
+from data.indexed_dataset import IndexedDataset
+from data.pipeline import build_data
+from data.preprocess import preprocess
+from data.tokenizer import Tokenizer, check_fits_model, train_bpe
+from tests.data.conftest import write_jsonl
+
+
+def raises_one_line(fn, *names):
+    with pytest.raises(DataError) as e:
+        fn()
+    msg = str(e.value)
+    assert "\n" not in msg
+    for n in names:
+        assert n in msg, msg
+    return msg
+
+
+def test_missing_input_file(tmp_path, tokenizer_model):
+    missing = str(tmp_path / "nope.jsonl")
+    raises_one_line(lambda: preprocess([missing], str(tmp_path / "o"), tokenizer_model, progress=False),
+                    missing, "not found")
+    raises_one_line(lambda: preprocess([str(tmp_path / "x.jsonl")], str(tmp_path / "o"), str(tmp_path / "t.model"),
+                                       progress=False), "t.model", "not found")
+
+
+def test_empty_input_and_empty_folder(tmp_path, tokenizer_model):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    raises_one_line(lambda: preprocess([str(empty)], str(tmp_path / "o"), tokenizer_model, progress=False),
+                    str(empty), "empty input")
+    (tmp_path / "dir").mkdir()
+    raises_one_line(lambda: preprocess([str(tmp_path / "dir")], str(tmp_path / "o"), tokenizer_model, progress=False),
+                    "dir", "no ")
+    assert not any(p.name.startswith("o.") for p in tmp_path.iterdir())  # nothing written
+
+
+def test_nonexistent_text_field(tmp_path, tokenizer_model):
+    src = write_jsonl(tmp_path / "d.jsonl", ["hello"], field="body")
+    raises_one_line(lambda: preprocess([str(src)], str(tmp_path / "o"), tokenizer_model, text_field="text",
+                                       progress=False), str(src), "no text field 'text'", "body")
+
+
+def test_undecodable_bytes_leave_an_existing_dataset_untouched(tmp_path, tokenizer_model, dataset_prefix):
+    prefix = str(tmp_path / "out")
+    for ext in (".bin", ".idx", ".json"):
+        shutil.copy(dataset_prefix + ext, prefix + ext)
+    before = {ext: open(prefix + ext, "rb").read() for ext in (".bin", ".idx", ".json")}
+    good = write_jsonl(tmp_path / "a.jsonl", ["fine text " * 50] * 200)
+    bad = tmp_path / "b.jsonl"
+    bad.write_bytes(b'{"text": "ok"}\n{"text": "broken \xff\xfe bytes"}\n')
+    raises_one_line(lambda: preprocess([str(good), str(bad)], prefix, tokenizer_model, workers=2, progress=False),
+                    str(bad), "undecodable bytes")
+    assert {ext: open(prefix + ext, "rb").read() for ext in before} == before
+    assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "b.jsonl", "out.bin", "out.idx", "out.json"]  # no temp files
+
+
+@pytest.mark.parametrize("damage, names", [
+    ("truncate_bin", (".bin", "truncated or corrupt data")),
+    ("truncate_idx", (".idx", "truncated or corrupt index")),
+    ("bad_header", (".idx", "not an MMIDIDX")),
+    ("bad_pointer", (".idx", "byte pointers disagree")),
+    ("missing_bin", (".bin", "not found")),
+])
+def test_corrupt_or_truncated_files(tmp_path, dataset_prefix, damage, names):
+    prefix = str(tmp_path / "c")
+    for ext in (".bin", ".idx"):
+        shutil.copy(dataset_prefix + ext, prefix + ext)
+    idx = bytearray(open(prefix + ".idx", "rb").read())
+    if damage == "truncate_bin":
+        os.truncate(prefix + ".bin", os.path.getsize(prefix + ".bin") - 2)
+    elif damage == "truncate_idx":
+        open(prefix + ".idx", "wb").write(idx[:-5])
+    elif damage == "bad_header":
+        open(prefix + ".idx", "wb").write(b"NOTANIDX\x00" + idx[9:])
+    elif damage == "bad_pointer":
+        n_seq = int.from_bytes(idx[18:26], "little")
+        off = 34 + 4 * n_seq + 8 * 2  # third pointer
+        idx[off] ^= 0x40
+        open(prefix + ".idx", "wb").write(idx)
+    elif damage == "missing_bin":
+        os.remove(prefix + ".bin")
+    raises_one_line(lambda: IndexedDataset(prefix), prefix + names[0], names[1])
+
+
+def test_tokenizer_larger_than_the_model_names_both_sizes(tokenizer_model):
+    tok = Tokenizer(tokenizer_model)  # 400 pieces -> padded to 512 with multiple 128
+    raises_one_line(lambda: check_fits_model(tok, 500, 128), "400", "512", "model.vocab_size=500")
+    assert check_fits_model(tok, 512, 128) == 512
+    assert check_fits_model(tok, 400, 8) == 400
+
+
+def _data_cfg(**kw):
+    base = dict(prefix=None, blend=None, tokenizer=None, split=[90.0, 10.0], valid_samples=8, seed=None,
+                pad_vocab_multiple=128, prefetch=2, cache_dir=None, builtin=None)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_dataset_made_with_another_tokenizer(tmp_path, dataset_prefix, texts):
+    (tmp_path / "t.txt").write_text("\n".join(texts[:5]))
+    other = train_bpe([str(tmp_path / "t.txt")], str(tmp_path / "other"), vocab_size=200, byte_fallback=False,
+                      threads=1)
+    cfg = _data_cfg(prefix=dataset_prefix, tokenizer=other, cache_dir=str(tmp_path / "cache"))
+    raises_one_line(lambda: build_data(cfg, seq_len=16, seed=1, train_samples=10, model_vocab_size=512),
+                    dataset_prefix + ".json", "different models")
+    # without the metadata record the token ids themselves are checked
+    prefix = str(tmp_path / "nometa")
+    for ext in (".bin", ".idx"):
+        shutil.copy(dataset_prefix + ext, prefix + ext)
+    cfg = _data_cfg(prefix=prefix, tokenizer=other, cache_dir=str(tmp_path / "cache"))
+    raises_one_line(lambda: build_data(cfg, seq_len=16, seed=1, train_samples=10, model_vocab_size=512),
+                    prefix + ".bin", "token id", "200 pieces")
+
+
+def test_config_errors_name_the_key(tmp_path, dataset_prefix, tokenizer_model):
+    raises_one_line(lambda: build_data(_data_cfg(prefix=dataset_prefix), seq_len=16, seed=1, train_samples=10,
+                                       model_vocab_size=512), "data.tokenizer", "required")
+    raises_one_line(lambda: build_data(_data_cfg(blend=[[0.5, dataset_prefix], [-1, dataset_prefix]],
+                                                 tokenizer=tokenizer_model), seq_len=16, seed=1, train_samples=10,
+                                       model_vocab_size=512), "data.blend", "positive")
+    cfg = _data_cfg(blend=[[0.7, dataset_prefix], [0.3, dataset_prefix]], tokenizer=tokenizer_model,
+                    cache_dir=str(tmp_path))
+    data = build_data(cfg, seq_len=16, seed=1, train_samples=100, model_vocab_size=512)
+    assert len(data.train) == 100 and data.valid is not None and 0 < data.unigram_entropy < 7
