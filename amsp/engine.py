@@ -5,7 +5,8 @@ final norm + head; with tied embeddings the embedding and head form one unit) ge
 holding its shards, and its parameters become views of the unit's gathered buffer. Hooks:
   * forward pre-hook: wait for / run the unit's P all-gather, prefetch the next unit's;
     forward hook on the unit's last module: free the gathered buffer;
-  * full backward pre-hook: gather again (prefetched one unit ahead in backward order); the
+  * backward pre-hook (a hook on the output's gradient): gather again (prefetched one unit
+    ahead in backward order); the
     buffer stays until the unit's gradients are complete, so a checkpoint recompute reuses it;
   * post-accumulate-grad hooks: when all of a unit's parameters have their gradient, flatten,
     free, and launch the G reduce-scatter; one unit later (double buffering) the result is added
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import types
-import warnings
 from dataclasses import dataclass
 from functools import partial
 
@@ -40,10 +40,6 @@ from .sharded_optim import AdamWSettings, ShardedAdamW, StepResult
 from .topology import Topology
 
 log = logging.getLogger(__name__)
-# The embedding's input is integer tokens, so its full backward pre-hook fires on the output
-# gradient alone, which is exactly the moment the engine needs; torch warns about that case.
-warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with "
-                        "respect to module outputs since no inputs require gradients")
 
 PRECISIONS = ("auto", "fp32", "bf16")
 
@@ -152,9 +148,7 @@ class AMSPEngine:
             nxt = self._fwd_order[i + 1] if i + 1 < len(self._fwd_order) else None
             for j, mod in enumerate(u.modules):
                 mod.register_forward_pre_hook(partial(self._pre_forward, u, nxt if j == 0 else None))
-                if j == len(u.modules) - 1:
-                    mod.register_forward_hook(partial(self._post_forward, u))
-                mod.register_full_backward_pre_hook(partial(self._pre_backward, u))
+                mod.register_forward_hook(partial(self._post_forward, u, j == len(u.modules) - 1))
             for s in u.slots:
                 u.param(s).register_post_accumulate_grad_hook(partial(self._grad_ready, u))
         self._bwd_next = {id(u): (self._bwd_order[i + 1] if i + 1 < len(self._bwd_order) else None)
@@ -187,10 +181,17 @@ class AMSPEngine:
             self._ensure_fresh(nxt)
             nxt.start_gather("forward")
 
-    def _post_forward(self, u: FlatUnit, module, args, output) -> None:
-        u.free()
+    def _post_forward(self, u: FlatUnit, last: bool, module, args, output) -> None:
+        # The backward pre-hook is a hook on the module's output gradient: it runs before any of
+        # the module's backward nodes, hence before a checkpoint recompute. (A full backward
+        # pre-hook does the same through a wrapper, but warns for the embedding, whose input is
+        # integer tokens.)
+        if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(partial(self._pre_backward, u))
+        if last:
+            u.free()
 
-    def _pre_backward(self, u: FlatUnit, module, grad_output) -> None:
+    def _pre_backward(self, u: FlatUnit, grad_output) -> None:
         st = self._micro_state
         if st is None:
             raise RuntimeError("AMSP: backward outside engine.forward_backward() is not supported")

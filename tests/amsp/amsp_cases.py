@@ -120,4 +120,37 @@ def run_case(rank: int, world: int, topo: Topology, case: dict, ref: dict) -> di
 def run_cases(rank: int, world: int, ranks_per_node: int, cases: list[dict], ref: dict) -> list[dict]:
     torch.set_num_threads(1)
     topo = Topology(world, ranks_per_node)
-    return [run_case(rank, world, topo, c, ref) for c in cases]
+    out = []
+    for c in cases:
+        if c.get("reload"):
+            out.append({"case": c, "held": reload_case(rank, world, ranks_per_node, c["blocks"], c["steps"])})
+        else:
+            out.append(run_case(rank, world, topo, c, ref))
+    return out
+
+
+def reload_case(rank: int, world: int, ranks_per_node: int, blocks: tuple, steps: int) -> float:
+    """Train, copy every fragment into a fresh engine, then take one more step on both: the
+    restored engine must match the original exactly (master, moments, step count, compute weights)."""
+    torch.set_num_threads(1)
+    topo = Topology(world, ranks_per_node)
+    plan = Plan(Degrees(*blocks), Degrees(*blocks), name="test")
+    opts = EngineOptions(precision="fp32", overlap_spread=True, optim=SETTINGS)
+    a = AMSPEngine(model_cfg(), plan, topo, rank, seed=SEED, options=opts)
+    for step in range(steps):
+        for m in range(MICRO):
+            a.forward_backward(*micro_batch(step, m, rank), m, MICRO)
+        a.step(SCHEDULE(step))
+    saved = {f.name: {k: getattr(f, k).clone() for k in f.STATE_KEYS} for f in a.named_fragments()}
+    b = AMSPEngine(model_cfg(), plan, topo, rank, seed=SEED + 1, options=opts)
+    b.load_fragments(saved, a.optimizer_steps)
+    for ua, ub in zip(a.units, b.units):
+        assert torch.equal(ua.p_shard, ub.p_shard), f"rank {rank}: reloaded compute shard of {ua.name} differs"
+    for eng in (a, b):
+        for m in range(MICRO):
+            eng.forward_backward(*micro_batch(steps, m, rank), m, MICRO)
+        eng.step(SCHEDULE(steps))
+    for fa, fb in zip(a.named_fragments(), b.named_fragments()):
+        for k in fa.STATE_KEYS:
+            assert torch.equal(getattr(fa, k), getattr(fb, k)), f"rank {rank}: {fa.name}.{k} differs after reload"
+    return sum(f.end - f.start for f in a.named_fragments() if f.primary)
