@@ -13,7 +13,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <utility>
 #include <vector>
 
 namespace {
@@ -29,21 +28,58 @@ inline uint64_t splitmix64(uint64_t x) {
   return z ^ (z >> 31);
 }
 
+// splitmix64 is a bijection on uint64; this is its inverse (each xor-shift and odd multiply undone).
+inline uint64_t splitmix64_inverse(uint64_t z) {
+  z = z ^ (z >> 31) ^ (z >> 62);
+  z *= 0x319642B2D24D8EC3ULL;  // inverse of kMul2 modulo 2^64
+  z = z ^ (z >> 27) ^ (z >> 54);
+  z *= 0x96DE1B173F119089ULL;  // inverse of kMul1 modulo 2^64
+  z = z ^ (z >> 30) ^ (z >> 60);
+  return z - kGolden;
+}
+
+// Sorts m uniformly distributed keys whose top `consumed` bits are equal: one more counting pass on
+// the next bits (about one key per slot), then each tiny slot is sorted. O(m) expected, in cache.
+inline void sort_uniform_keys(uint64_t* a, int64_t m, int consumed, std::vector<uint64_t>& tmp,
+                              std::vector<int64_t>& cnt) {
+  if (m <= 32 || consumed >= 48) {
+    std::sort(a, a + m);
+    return;
+  }
+  int sb = 1;
+  while (sb < 16 && (int64_t(1) << (sb + 1)) <= m) ++sb;
+  const int64_t slots = int64_t(1) << sb;
+  auto slot_of = [consumed, sb](uint64_t x) -> int64_t { return int64_t((x << consumed) >> (64 - sb)); };
+  cnt.assign(slots + 1, 0);
+  for (int64_t j = 0; j < m; ++j) ++cnt[slot_of(a[j]) + 1];
+  for (int64_t s = 0; s < slots; ++s) cnt[s + 1] += cnt[s];
+  tmp.resize(m);
+  for (int64_t j = 0; j < m; ++j) tmp[cnt[slot_of(a[j])]++] = a[j];
+  // cnt[s] is now the end of slot s; sort each slot (usually 0-3 keys) back into a.
+  int64_t begin = 0;
+  for (int64_t s = 0; s < slots; ++s) {
+    const int64_t end = cnt[s];
+    if (end - begin > 1) std::sort(tmp.begin() + begin, tmp.begin() + end);
+    begin = end;
+  }
+  std::copy(tmp.begin(), tmp.end(), a);
+}
+
 // Stable argsort of key(seed, stream, i) = splitmix64(base ^ i), written into out[0..n).
-// splitmix64 is a bijection, so keys are distinct; ordering by (key, i) still makes the result
-// equal to a stable sort by construction. Keys are uniform, so a bucket pass on the top bits
-// followed by small per-bucket sorts is O(n) expected and parallel over buckets.
+// Because splitmix64 is a bijection the keys are distinct, so sorting the keys alone defines the
+// order (a stable sort has no ties to break) and each index is recovered from its key by the
+// inverse. Keys are uniform: one counting pass on the top bits splits them into cache-sized
+// buckets, each then sorted on its own, in parallel.
 template <typename out_t>
 void permutation_into(int64_t n, uint64_t seed, uint64_t stream, out_t* out) {
   if (n == 0) return;
   const uint64_t base = splitmix64(splitmix64(seed) ^ stream);
-  int bits = 0;
-  while (bits < 22 && (int64_t(1) << (bits + 1)) * 16 <= n) ++bits;
+  int bits = 0;  // about 1024 keys (8 KiB) per bucket, at most 4096 buckets so the cursors stay in cache
+  while (bits < 12 && (int64_t(1) << (bits + 1)) * 1024 <= n) ++bits;
   const int64_t n_buckets = int64_t(1) << bits;
-  const int shift = 64 - bits;
-  auto bucket_of = [&](uint64_t key) -> int64_t { return bits == 0 ? 0 : int64_t(key >> shift); };
+  auto bucket_of = [bits](uint64_t key) -> int64_t { return bits == 0 ? 0 : int64_t(key >> (64 - bits)); };
 
-  // Histogram per contiguous block of indices, then a stable scatter in block order.
+  // Histogram per contiguous block of indices, then a scatter in block order.
   const int64_t n_blocks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads() * 4, n / 65536 + 1));
   std::vector<int64_t> counts(n_blocks * n_buckets, 0);
   at::parallel_for(0, n_blocks, 1, [&](int64_t bb, int64_t be) {
@@ -67,22 +103,24 @@ void permutation_into(int64_t n, uint64_t seed, uint64_t stream, out_t* out) {
     }
     bucket_start[n_buckets] = pos;
   }
-  std::vector<std::pair<uint64_t, int64_t>> items(n);
+  std::vector<uint64_t> keys(n);
   at::parallel_for(0, n_blocks, 1, [&](int64_t bb, int64_t be) {
     for (int64_t b = bb; b < be; ++b) {
       int64_t* cursor = counts.data() + b * n_buckets;
       const int64_t i0 = n * b / n_blocks, i1 = n * (b + 1) / n_blocks;
       for (int64_t i = i0; i < i1; ++i) {
         const uint64_t key = splitmix64(base ^ uint64_t(i));
-        items[cursor[bucket_of(key)]++] = {key, i};
+        keys[cursor[bucket_of(key)]++] = key;
       }
     }
   });
-  at::parallel_for(0, n_buckets, 64, [&](int64_t kb, int64_t ke) {
+  at::parallel_for(0, n_buckets, 16, [&](int64_t kb, int64_t ke) {
+    std::vector<uint64_t> tmp;
+    std::vector<int64_t> cnt;
     for (int64_t k = kb; k < ke; ++k) {
-      auto first = items.begin() + bucket_start[k], last = items.begin() + bucket_start[k + 1];
-      std::sort(first, last);  // pairs compare by key, then by index: a stable order
-      for (auto it = first; it != last; ++it) out[it - items.begin()] = static_cast<out_t>(it->second);
+      const int64_t lo = bucket_start[k], m = bucket_start[k + 1] - lo;
+      sort_uniform_keys(keys.data() + lo, m, bits, tmp, cnt);
+      for (int64_t j = 0; j < m; ++j) out[lo + j] = static_cast<out_t>(splitmix64_inverse(keys[lo + j]) ^ base);
     }
   });
 }

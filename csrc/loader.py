@@ -33,8 +33,6 @@ CPU_SOURCES = ("fused_cpu.cpp", "index_helpers.cpp")
 DISABLE_ENV = "AMSP_CSRC_DISABLE"  # set to 1 to skip building (e.g. to time the references)
 CACHE_ENV = "AMSP_CSRC_CACHE"
 
-_lock = threading.Lock()
-_state: dict[str, object] = {}  # "lib": path of the loaded library, or "error": why it is unavailable
 
 
 def cache_root() -> Path:
@@ -51,7 +49,7 @@ def _cpu_flags() -> list[str]:
     # compiler may emit them; the capability is part of the cache key so a cache is never reused on
     # a machine that lacks it. No FMA contraction: the index builders must reproduce numpy's
     # separately rounded double products and sums bit for bit.
-    flags = ["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off"]
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
     cap = torch.backends.cpu.get_cpu_capability()
     if cap in ("AVX2", "AVX512"):
         flags += ["-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2", "-mavx2", "-mfma", "-mf16c"]
@@ -96,29 +94,43 @@ def build_and_load(name: str, sources: list[Path], verbose: bool = False) -> str
     return str(build_dir / f"{name}.so")
 
 
+class NativeExtension:
+    """One extension's build-and-load, attempted at most once per process."""
+
+    def __init__(self, name: str, sources: list[Path]):
+        self.name, self.sources = name, sources
+        self.lib: str | None = None
+        self.error: str | None = None  # why it is unavailable, once a load has failed
+        self._lock = threading.Lock()
+
+    def load(self) -> str | None:
+        """The loaded library's path, or None (after exactly one warning naming the error)."""
+        with self._lock:
+            if self.lib is not None or self.error is not None:
+                return self.lib
+            if os.environ.get(DISABLE_ENV) == "1":
+                self.error = f"disabled by {DISABLE_ENV}=1"
+                log.info("csrc: %s %s", self.name, self.error)
+                return None
+            try:
+                self.lib = build_and_load(self.name, self.sources)
+            except Exception as exc:  # any build or load failure: fall back, but loudly, once
+                self.error = _first_error_line(exc)
+                warnings.warn(f"csrc: building the native extension {self.name} failed ({self.error}); "
+                              "using the pure-PyTorch references", RuntimeWarning, stacklevel=3)
+                return None
+            log.info("csrc: loaded native extension %s", self.lib)
+            return self.lib
+
+
+CPU_EXTENSION = NativeExtension(EXTENSION_NAME, [CSRC_DIR / s for s in CPU_SOURCES])
+
+
 def load_extension() -> str | None:
     """The CPU extension's library path once loaded, or None (after one warning) if it cannot be built."""
-    with _lock:
-        if "lib" in _state:
-            return _state["lib"]  # type: ignore[return-value]
-        if "error" in _state:
-            return None
-        if os.environ.get(DISABLE_ENV) == "1":
-            _state["error"] = f"disabled by {DISABLE_ENV}=1"
-            log.info("csrc: native extension %s", _state["error"])
-            return None
-        try:
-            lib = build_and_load(EXTENSION_NAME, [CSRC_DIR / s for s in CPU_SOURCES])
-        except Exception as exc:  # any build or load failure: fall back, but loudly, once
-            _state["error"] = _first_error_line(exc)
-            warnings.warn(f"csrc: building the native CPU extension failed ({_state['error']}); "
-                          "using the pure-PyTorch references", RuntimeWarning, stacklevel=2)
-            return None
-        _state["lib"] = lib
-        log.info("csrc: loaded native CPU extension %s", lib)
-        return lib
+    return CPU_EXTENSION.load()
 
 
 def unavailable_reason() -> str | None:
-    """Why the extension is not loaded (None when it is, or when loading was not attempted yet)."""
-    return _state.get("error")  # type: ignore[return-value]
+    """Why the CPU extension is not loaded (None when it is, or before the first attempt)."""
+    return CPU_EXTENSION.error

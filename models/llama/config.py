@@ -38,6 +38,9 @@ class LlamaConfig:
     attention: str = "auto"  # auto | flash_attn | te | sdpa
     norm: str = "auto"  # auto | te | torch
     activation_checkpointing: str = "none"  # none | full | selective
+    # csrc/ fused CPU ops (RMSNorm, RoPE, SwiGLU, linear+cross-entropy): auto enables those that
+    # won in BENCHMARKS.md, on all of them (error if the extension cannot build), off none.
+    fused: str = "auto"  # auto | on | off
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -53,6 +56,7 @@ class LlamaConfig:
             ("attention", ("auto", "flash_attn", "te", "sdpa")),
             ("norm", ("auto", "te", "torch")),
             ("activation_checkpointing", ("none", "full", "selective")),
+            ("fused", ("auto", "on", "off")),
         ):
             if getattr(self, name) not in allowed:
                 problems.append(f"model.{name}={getattr(self, name)!r} is not one of {'|'.join(allowed)}")

@@ -105,11 +105,21 @@ def _register() -> None:
         ctx.save_for_backward(grad_h, grad_w)
 
     def ce_backward(ctx, dloss, _dgh, _dgw):
+        # No copies: a scaled copy of grad_w (vocab x dim) next to the saved one would double the
+        # head's gradient memory, which is what this op exists to save. With a unit upstream
+        # gradient (loss.backward()) the saved tensors are returned as they are, so a retained graph
+        # can be differentiated again; any other scale (loss / accum) is applied in place, once.
+        if getattr(ctx, "scaled_in_place", False):
+            raise RuntimeError("fused linear_cross_entropy: a second backward through the same graph with a "
+                               "non-unit upstream gradient is not supported; use model.fused=off for that")
         grad_h, grad_w = ctx.saved_tensors
         if grad_h.numel() == 0:
             raise RuntimeError("amsp_fused::linear_cross_entropy_fwd was called with compute_grad=False "
                                "but a backward was requested")
-        return grad_h * dloss.to(grad_h.dtype), grad_w * dloss.to(grad_w.dtype), None, None, None, None
+        if not bool(dloss == 1):
+            ctx.scaled_in_place = True
+            grad_h, grad_w = grad_h.mul_(dloss), grad_w.mul_(dloss)
+        return grad_h, grad_w, None, None, None, None
 
     torch.library.register_autograd(f"{lib}::linear_cross_entropy_fwd", ce_backward, setup_context=ce_setup)
 

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from . import fused
 from .backends import make_attention, resolve_attention, resolve_norm, rms_norm_reference
 from .config import LlamaConfig, RopeScaling
 
@@ -22,22 +23,25 @@ IGNORE_INDEX = -100
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, fused: bool = False):
         super().__init__()
         self.eps = eps
+        self.fused = fused  # csrc kernel (models/llama/fused.py) instead of the reference
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return fused.rms_norm(x, self.weight, self.eps)
         return rms_norm_reference(x, self.weight, self.eps)
 
 
-def make_rms_norm(choice: str, dim: int, eps: float) -> nn.Module:
+def make_rms_norm(choice: str, dim: int, eps: float, fused: bool = False) -> nn.Module:
     if choice == "te":
         import transformer_engine.pytorch as te
 
         # TE's RMSNorm also names its gain `weight`, so state-dict keys match the torch path.
         return te.RMSNorm(dim, eps=eps)
-    return RMSNorm(dim, eps)
+    return RMSNorm(dim, eps, fused)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -78,9 +82,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, backend: str):
+    def __init__(self, cfg: LlamaConfig, backend: str, fused_rope: bool = False):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.rope = fused.apply_rope if fused_rope else apply_rope
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -92,19 +97,22 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
         k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         out = self.kernel(q, k, v)
         return self.wo(out.reshape(b, s, -1))
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, fused_swiglu: bool = False):
         super().__init__()
+        self.fused_swiglu = fused_swiglu
         self.w1 = nn.Linear(dim, hidden, bias=False)  # gate
         self.w3 = nn.Linear(dim, hidden, bias=False)  # up
         self.w2 = nn.Linear(hidden, dim, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_swiglu:
+            return self.w2(fused.swiglu(self.w1(x), self.w3(x)))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -125,13 +133,15 @@ def _selective_policy(ctx, op, *args, **kwargs):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_id: int, attention: str, norm: str):
+    def __init__(self, cfg: LlamaConfig, layer_id: int, attention: str, norm: str,
+                 fused_ops: frozenset[str] = frozenset()):
         super().__init__()
         self.layer_id = layer_id
-        self.attention_norm = make_rms_norm(norm, cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg, attention)
-        self.ffn_norm = make_rms_norm(norm, cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
+        fused_norm = "rms_norm" in fused_ops
+        self.attention_norm = make_rms_norm(norm, cfg.dim, cfg.norm_eps, fused_norm)
+        self.attention = Attention(cfg, attention, "rope" in fused_ops)
+        self.ffn_norm = make_rms_norm(norm, cfg.dim, cfg.norm_eps, fused_norm)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim, "swiglu" in fused_ops)
         self.checkpointing = cfg.activation_checkpointing
 
     def _block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -152,13 +162,25 @@ class TransformerBlock(nn.Module):
 class OutputHead(nn.Module):
     """Final RMSNorm and the vocabulary projection: one unit for data-parallel sharding."""
 
-    def __init__(self, cfg: LlamaConfig, norm: str):
+    def __init__(self, cfg: LlamaConfig, norm: str, fused_ops: frozenset[str] = frozenset()):
         super().__init__()
-        self.norm = make_rms_norm(norm, cfg.dim, cfg.norm_eps)
+        self.norm = make_rms_norm(norm, cfg.dim, cfg.norm_eps, "rms_norm" in fused_ops)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.fused_loss = "linear_cross_entropy" in fused_ops
 
-    def forward(self, h: torch.Tensor, tied_weight: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, tied_weight: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits, or the mean LM loss when targets are given (computed inside this unit so that the
+        fused linear + cross-entropy never materialises the logits)."""
         h = self.norm(h)
+        if targets is not None and self.fused_loss:
+            weight = tied_weight if self.output is None else self.output.weight
+            return fused.linear_cross_entropy(h, weight, targets, IGNORE_INDEX)
+        if targets is not None:
+            return lm_loss(self._project(h, tied_weight), targets)
+        return self._project(h, tied_weight)
+
+    def _project(self, h: torch.Tensor, tied_weight: torch.Tensor | None) -> torch.Tensor:
         if self.output is None:
             return F.linear(h, tied_weight)
         return self.output(h)
@@ -170,10 +192,12 @@ class Llama(nn.Module):
         self.cfg = cfg
         self.attention_backend = resolve_attention(cfg.attention)
         self.norm_backend = resolve_norm(cfg.norm)
+        self.fused_ops = fused.resolve_fused(cfg.fused)  # logged once; builds csrc/ on first use
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(
-            TransformerBlock(cfg, i, self.attention_backend, self.norm_backend) for i in range(cfg.n_layers))
-        self.head = OutputHead(cfg, self.norm_backend)
+            TransformerBlock(cfg, i, self.attention_backend, self.norm_backend, self.fused_ops)
+            for i in range(cfg.n_layers))
+        self.head = OutputHead(cfg, self.norm_backend, self.fused_ops)
         # Rotary tables are derived state: recomputed on materialisation, never checkpointed.
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim // 2), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim // 2), persistent=False)
@@ -211,6 +235,8 @@ class Llama(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin)
         tied = self.tok_embeddings.weight if self.cfg.tie_embeddings else None
+        if targets is not None and self.head.fused_loss:
+            return self.head(h, tied, targets)
         logits = self.head(h, tied)
         if targets is None:
             return logits

@@ -1,0 +1,85 @@
+"""Native (C++) versions of the index builders in data/index_builders.py.
+
+Thin wrapper over `torch.ops.amsp_index.*` (csrc/index_helpers.cpp). Each function has the same
+signature, output dtypes and error messages as its reference and is bit-identical to it (tests in
+tests/csrc/test_native_index.py). `native()` builds/loads the extension on first use and returns
+this module, or None when the extension is unavailable (the loader has then warned once);
+index_builders logs once which implementation it uses.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+MASK64 = (1 << 64) - 1
+SAMPLE_STREAM = MASK64  # must equal index_builders.SAMPLE_STREAM
+
+_loaded: bool | None = None
+
+
+def _as_int64(value: int) -> int:
+    """A value modulo 2**64 passed through a signed int64 schema argument (two's complement)."""
+    value &= MASK64
+    return value - (1 << 64) if value >= (1 << 63) else value
+
+
+def native():
+    """This module when the C++ builders are loaded, else None."""
+    global _loaded
+    if _loaded is None:
+        from csrc.loader import load_extension
+
+        _loaded = load_extension() is not None
+    return sys.modules[__name__] if _loaded else None
+
+
+def _permutation(n: int, seed: int, stream: int) -> np.ndarray:
+    if n < 0:
+        raise ValueError(f"permutation size must be >= 0, got {n}")
+    return torch.ops.amsp_index.permutation(n, _as_int64(seed), _as_int64(stream)).numpy()
+
+
+def shuffle_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    return _permutation(n, seed, epoch)
+
+
+def build_doc_index(num_docs: int, num_epochs: int, seed: int) -> np.ndarray:
+    if num_docs >= 2**31:
+        raise ValueError(f"build_doc_index: {num_docs} documents do not fit int32 document ids")
+    if num_epochs < 1:
+        raise ValueError(f"build_doc_index: num_epochs must be >= 1, got {num_epochs}")
+    if num_docs < 0:
+        raise ValueError(f"permutation size must be >= 0, got {num_docs}")
+    return torch.ops.amsp_index.build_doc_index(num_docs, num_epochs, _as_int64(seed)).numpy()
+
+
+def build_sample_index(doc_lengths: np.ndarray, doc_index: np.ndarray, seq_len: int,
+                       num_samples: int) -> np.ndarray:
+    if seq_len < 1 or num_samples < 0:
+        raise ValueError(f"build_sample_index: seq_len={seq_len} must be >= 1 and num_samples={num_samples} >= 0")
+    lengths = torch.from_numpy(np.ascontiguousarray(doc_lengths, dtype=np.int64))
+    index = np.asarray(doc_index)
+    if index.dtype not in (np.int32, np.int64):
+        index = index.astype(np.int64)
+    return torch.ops.amsp_index.build_sample_index(lengths, torch.from_numpy(np.ascontiguousarray(index)),
+                                                   seq_len, num_samples).numpy()
+
+
+def build_shuffle_index(num_samples: int, seed: int) -> np.ndarray:
+    return _permutation(num_samples, seed, SAMPLE_STREAM)
+
+
+def build_blending_index(weights: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 1 or len(w) == 0 or len(w) > 32767 or not np.all(np.isfinite(w)) or np.any(w <= 0):
+        raise ValueError(f"build_blending_index: weights must be a non-empty vector of finite positive "
+                         f"numbers, got {w.tolist()}")
+    # Normalised here, by numpy, so the rounding of the sum is the reference's exactly.
+    w = w / w.sum()
+    dataset_index, sample_index = torch.ops.amsp_index.build_blending_index(torch.from_numpy(w), size)
+    return dataset_index.numpy(), sample_index.numpy()
