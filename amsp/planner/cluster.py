@@ -138,7 +138,7 @@ class ClusterSpec:
 
     def describe(self) -> str:
         lines = [f"cluster {self.name}: {self.nodes} node(s) x {self.ranks_per_node} ranks, "
-                 f"{self.device_memory_bytes / 2**30:.1f} GiB/device, peak {self.peak_flops / 1e12:.1f} TFLOP/s "
+                 f"{self.device_memory_bytes / 2**30:.1f} GiB/device, peak {self.peak_flops / 1e12:.4g} TFLOP/s "
                  f"({self.dtype}), bandwidths from {self.source} (bus GB/s; inter = per node)"]
         for scope in SCOPES:
             for kind in KINDS:

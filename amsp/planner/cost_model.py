@@ -159,8 +159,7 @@ class CostModel:
         self.head_F = workload.head_forward_flops() / self.rate
         self._pb = workload.precision.param_bytes
         self._gb = workload.precision.grad_bytes
-        self._numel = {"embedding": workload.embedding_numel, "block": workload.block_numel,
-                       "head": workload.head_numel}
+        self._numel = workload.role_numel()
         self._cache: dict = {}
 
     # ---- candidates and constants ----
@@ -183,14 +182,17 @@ class CostModel:
     def memory_budget(self) -> float:
         return self.c.device_memory_bytes * (1 - self.o.memory_margin) - self.o.reserved_bytes
 
-    def buffer_pairs(self) -> list[tuple[str, str]]:
-        """Unit roles gathered at the same time (current + prefetched next), in forward order."""
-        pairs = [("embedding", "block"), ("block", "head")]
-        return pairs + ([("block", "block")] if self.w.layers >= 2 else [])
+    def buffer_pairs(self) -> list[tuple[str, ...]]:
+        """Unit roles gathered at the same time (current + prefetched next, in forward order). A tied
+        embedding+head unit stays gathered through the whole forward, next to two blocks."""
+        two_blocks = ("block", "block") if self.w.layers >= 2 else ("block",)
+        if "head" not in self._numel:
+            return [("embedding",) + two_blocks]
+        return [("embedding", "block"), ("block", "head")] + ([two_blocks] if self.w.layers >= 2 else [])
 
     def grad_buffer_bytes(self) -> float:
         """A unit's full gradient in flight to its reduce-scatter while the next one is produced."""
-        return max(self._numel[a] + self._numel[b] for a, b in self.buffer_pairs()) * self._gb
+        return max(sum(self._numel[r] for r in pair[:2]) for pair in self.buffer_pairs()) * self._gb
 
     def constant_memory(self) -> dict:
         return {"activations": self.w.activation_bytes(), "buckets": self.grad_buffer_bytes()}
@@ -274,7 +276,7 @@ class CostModel:
         if group == "blocks":
             return [("block", self.w.layers)]
         if group == "embed_head":
-            return [("embedding", 1), ("head", 1)]
+            return [(r, 1) for r in ("embedding", "head") if r in self._numel]
         raise KeyError(f"unknown unit group {group!r}; expected one of {UNIT_GROUPS}")
 
     def state_parts(self, role: str, deg: Degrees) -> dict:
@@ -299,7 +301,7 @@ class CostModel:
 
     def peak_gathered(self, gathered: dict) -> int:
         """Largest pair of simultaneously gathered units (role -> bytes of one gathered unit)."""
-        return max(gathered[a] + gathered[b] for a, b in self.buffer_pairs())
+        return max(sum(gathered[r] for r in pair) for pair in self.buffer_pairs())
 
     # ---- whole plans (walks every unit; the reference the per-group terms must add up to) ----
     def evaluate(self, plan: Plan) -> "PlanCost":
@@ -309,9 +311,8 @@ class CostModel:
         exposed = {}
         parts = {"params": 0, "grads": 0, "optim": 0}
         gathered = {}
-        for unit in self.w.units():
+        for unit, role in self.w.unit_roles():
             deg = plan.for_group(unit.group)
-            role = "block" if unit.group == "blocks" else unit.name
             collectives += self.unit_collectives(unit, deg)
             for ph, sec in self.unit_exposure(role, deg).items():
                 exposed[ph] = exposed.get(ph, 0.0) + sec

@@ -25,8 +25,8 @@ def grid(t: GroupTerms) -> tuple[np.ndarray, np.ndarray]:
     """(step time, memory) over [blocks candidate, embed_head candidate]."""
     time = t.constant_s + t.exposed_s[0][:, None] + t.exposed_s[1][None, :]
     gathered = None
-    for a, b in t.pairs:
-        term = _role_axis(t, a) + _role_axis(t, b)
+    for pair in t.pairs:
+        term = sum(_role_axis(t, r) for r in pair)
         gathered = term if gathered is None else np.maximum(gathered, term)
     memory = t.constant_bytes + t.state_bytes[0][:, None] + t.state_bytes[1][None, :] + gathered
     return time, memory

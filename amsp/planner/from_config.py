@@ -26,7 +26,7 @@ def planner_config(cfg: DictConfig) -> DictConfig:
 def options_from_config(cfg: DictConfig) -> Options:
     p = planner_config(cfg)
     return Options(mfu=p.mfu, memory_margin=p.memory_margin, reserved_bytes=int(p.reserved_gib * 2**30),
-                   overlap_spread=p.overlap_spread)
+                   overlap_spread=p.overlap_spread, overlap_slowdown=p.overlap_slowdown)
 
 
 def global_batch_samples(cfg: DictConfig) -> int:

@@ -52,8 +52,8 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
         gi = t.role_group[role]
         return pulp.lpSum(x[gi, ci] * (t.gathered[role][ci] / GIB) for (g, ci) in x if g == gi)
 
-    for n, (a, b) in enumerate(t.pairs):
-        prob += z >= role_expr(a) + role_expr(b), f"gathered_pair_{n}"
+    for n, pair in enumerate(t.pairs):
+        prob += z >= pulp.lpSum(role_expr(r) for r in pair), f"gathered_set_{n}"
     prob += pulp.lpSum(x[k] * (t.state_bytes[k] / GIB) for k in x) + z <= budget, "memory_per_rank"
     prob += pulp.lpSum(x[k] * (t.exposed_s[k] * 1e3) for k in x)
     status = prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=0))
@@ -72,8 +72,7 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
         raise SolverError(f"CBC reported Optimal but selected {len(chosen)} of {len(UNIT_GROUPS)} groups")
     i, j = chosen[0], chosen[1]
     step = t.constant_s + t.exposed_s[0, i] + t.exposed_s[1, j]
-    gathered = max(t.gathered[a][chosen[t.role_group[a]]] + t.gathered[b][chosen[t.role_group[b]]]
-                   for a, b in t.pairs)
+    gathered = max(sum(t.gathered[r][chosen[t.role_group[r]]] for r in pair) for pair in t.pairs)
     memory = t.constant_bytes + t.state_bytes[0, i] + t.state_bytes[1, j] + gathered
     plan = Plan(blocks=t.candidates[i], embed_head=t.candidates[j], name="auto")
     return Choice(plan, float(step), float(memory)), elapsed

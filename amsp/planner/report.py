@@ -95,21 +95,25 @@ def wandb_rows(costs: list[PlanCost]) -> tuple[list[str], list[list]]:
 
 
 def format_table(costs: list[PlanCost], header: str = "") -> str:
-    """Fixed-width text: memory per rank by part (GiB), communication per step by collective (GB
-    per rank), exposed communication and predicted step time."""
+    """Fixed-width text: memory per rank by part, communication per rank per step by collective,
+    exposed communication and predicted step time. GiB/GB, or MiB/MB for models too small for them."""
+    small = max(c.memory_total - c.memory["reserved"] for c in costs) < 2**30
+    mu, mdiv, cu, cdiv = ("MiB", 2**20, "MB", 1e6) if small else ("GiB", GIB, "GB", 1e9)
     head = (f"{'#':>3} {'plan p/g/os (blocks | emb+head)':<34} {'name':<8}"
-            f"{'P':>6} {'G':>6} {'OS':>6} {'act':>6} {'buf':>6} {'total':>7} |"
+            f"{'P':>7} {'G':>7} {'OS':>7} {'act':>7} {'buf':>7} {'total':>8} |"
             f"{'AG':>8} {'RS':>8} {'g->os':>7} {'repl':>7} {'spread':>7} {'inter':>8} |"
             f"{'comm s':>8} {'exposed':>8} {'step s':>8} {'tok/s/gpu':>10} {'MFU':>6}")
-    unit = (f"{'':>3} {'':<34} {'':<8}{'memory per rank, GiB':^44}|"
-            f"{'communication per rank per step, GB':^51}|{'predicted':^44}")
+    unit = (f"{'':>3} {'':<34} {'':<8}{f'memory per rank, {mu}':^50}|"
+            f"{f'communication per rank per step, {cu}':^51}|{'predicted':^44}")
     lines = ([header] if header else []) + [unit, head, "-" * len(head)]
     for i, c in enumerate(costs):
         r = row(i + 1, c)
+        mem = [v * GIB / mdiv for v in r[9:15]]
+        com = [v * 1e9 / cdiv for v in r[15:21]]
         lines.append(f"{r[0]:>3} {r[1]:<34} {r[2]:<8}"
-                     f"{r[9]:6.2f} {r[10]:6.2f} {r[11]:6.2f} {r[12]:6.2f} {r[13]:6.2f} {r[14]:7.2f} |"
-                     f"{r[15]:8.2f} {r[16]:8.2f} {r[17]:7.2f} {r[18]:7.2f} {r[19]:7.2f} {r[20]:8.2f} |"
-                     f"{r[21]:8.3f} {r[22]:8.3f} {r[23]:8.3f} {r[24]:10.0f} {r[25]:6.1%}")
+                     + " ".join(f"{v:7.2f}" for v in mem[:5]) + f" {mem[5]:8.2f} |"
+                     + f"{com[0]:8.2f} {com[1]:8.2f} {com[2]:7.2f} {com[3]:7.2f} {com[4]:7.2f} {com[5]:8.2f} |"
+                     + f"{r[21]:8.3f} {r[22]:8.3f} {r[23]:8.3f} {r[24]:10.0f} {r[25]:6.1%}")
     return "\n".join(lines)
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from amsp.plan import PRESET_NAMES, Plan, PlanError, make_plan
 
@@ -67,7 +67,8 @@ def plan_cluster(workload: Workload, cluster: ClusterSpec, options: Options = Op
         raise NoFeasiblePlan(_with_ranks(model.evaluate(smallest.plan), workload), workload.recompute,
                              workload.micro_batch_size)
     chosen = _with_ranks(model.evaluate(choice.plan), workload)
-    ranked = [chosen] + [_with_ranks(model.evaluate(c.plan), workload) for c in exhaustive.ranked(terms, top_k)
-                         if (c.plan.blocks, c.plan.embed_head) != (choice.plan.blocks, choice.plan.embed_head)]
+    alternatives = [replace(c.plan, name="alt") for c in exhaustive.ranked(terms, top_k)
+                    if (c.plan.blocks, c.plan.embed_head) != (choice.plan.blocks, choice.plan.embed_head)]
+    ranked = [chosen] + [_with_ranks(model.evaluate(p), workload) for p in alternatives]
     return PlannerResult(choice.plan, chosen, ranked[:top_k], preset_costs(model) if with_presets else [],
                          solve_s, len(terms.candidates))

@@ -23,7 +23,7 @@ class GroupTerms:
     state_bytes: np.ndarray  # [group index, candidate]
     gathered: dict  # role -> np.ndarray over candidates (bytes of one gathered unit of that role)
     role_group: dict  # role -> group index
-    pairs: list  # (role, role) gathered together
+    pairs: list  # tuples of roles gathered together
     constant_s: float
     constant_bytes: float
     budget_bytes: float

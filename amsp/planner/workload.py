@@ -1,7 +1,8 @@
 """What one data-parallel rank has to hold and compute: units, FLOPs per unit, activation bytes.
 
-Units are the engine's flat buffers (issue 4): each transformer block ("blocks" group), the
-embedding and the final norm + output head ("embed_head" group). With tensor parallelism (tp) a
+Units are the engine's flat buffers (amsp/engine.py): each transformer block ("blocks" group), the
+embedding and the final norm + output head ("embed_head" group); with tied embeddings the embedding
+and the head are one unit, gathered from the embedding's forward to the head's. With tensor parallelism (tp) a
 unit's parameters, FLOPs and activations are split tp ways; with pipeline parallelism (pp) a rank
 holds n_layers/pp blocks. For memory we keep the embedding and the head on every stage, which is
 exact for pp = 1 and conservative (by one of the two) for pp > 1.
@@ -67,11 +68,20 @@ class Workload:
     def head_numel(self) -> int:
         return -(-self.model.head_params() // self.tp)
 
+    def unit_roles(self) -> list[tuple[Unit, str]]:
+        """The flat units of one rank in forward order (named as the engine names them), each with
+        its role for the cost model: embedding (first), block, head (last)."""
+        blocks = [(Unit(f"layers.{i}", "blocks", self.block_numel), "block") for i in range(self.layers)]
+        if self.model.tie_embeddings:
+            return [(Unit("embed_head", "embed_head", self.embedding_numel + self.head_numel), "embedding")] + blocks
+        return ([(Unit("tok_embeddings", "embed_head", self.embedding_numel), "embedding")] + blocks
+                + [(Unit("head", "embed_head", self.head_numel), "head")])
+
     def units(self) -> list[Unit]:
-        """The flat units of one rank, in forward order."""
-        return ([Unit("embedding", "embed_head", self.embedding_numel)]
-                + [Unit(f"block.{i}", "blocks", self.block_numel) for i in range(self.layers)]
-                + [Unit("head", "embed_head", self.head_numel)])
+        return [u for u, _ in self.unit_roles()]
+
+    def role_numel(self) -> dict:
+        return {role: u.numel for u, role in self.unit_roles()}
 
     def params_per_rank(self) -> int:
         return self.embedding_numel + self.layers * self.block_numel + self.head_numel
