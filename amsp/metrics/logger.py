@@ -15,7 +15,10 @@ Field meanings (times are means per step over the interval, in seconds):
   next to them, not added to them. time_other_s is what no phase covered.
 - comm_bytes_intra_node / comm_bytes_inter_node: bytes per step as counted by rank 0's engine.
 - peak_memory_bytes: the largest per-rank peak (CUDA allocator peak, or process RSS on CPU).
-- step_time_*, slowest_rank: spread of the per-rank mean step times.
+- rank_busy_*, slowest_rank: spread of the per-rank mean busy times (data wait + forward/backward
+  minus exposed communication: what a rank computes on its own; wall step times are equal across
+  ranks because collectives make everyone wait for the slowest), step_time_max_rank_s: the largest
+  per-rank mean wall step time.
 """
 from __future__ import annotations
 
@@ -118,7 +121,9 @@ class MetricsLogger:
         now = self._clock()
         n = self._steps
         mean_step = self._phase_sums["step"] / n
-        per_rank = gather_rank_values([mean_step, float(peak_memory_bytes(self.device))], self.device)
+        busy = self._phase_sums["data_wait"] + self._phase_sums["forward_backward"] - self._comm_sums["exposed_s"]
+        per_rank = gather_rank_values([mean_step, max(0.0, busy / n), float(peak_memory_bytes(self.device))],
+                                      self.device)
         wall = now - self._window_t0
         record = self._build_record(step, n, wall, per_rank, float(loss), float(lr), float(grad_norm),
                                     int(skipped_steps), now)
@@ -155,8 +160,9 @@ class MetricsLogger:
             "time_other_s": max(0.0, mean_step - sum(phases.values())),
             "comm_bytes_intra_node": comm["bytes_intra_node"],
             "comm_bytes_inter_node": comm["bytes_inter_node"],
-            "peak_memory_bytes": int(max(r[1] for r in per_rank)),
-            **straggler_summary([r[0] for r in per_rank]),
+            "peak_memory_bytes": int(max(r[2] for r in per_rank)),
+            "step_time_max_rank_s": max(r[0] for r in per_rank),
+            **straggler_summary([r[1] for r in per_rank]),
             "skipped_steps": skipped, "world_size": self.world_size,
             "elapsed_s": now - self._t_start,
             "eta_s": (self.total_steps - step) * wall / n,
@@ -182,6 +188,6 @@ class MetricsLogger:
                          f"inter {_fmt_bytes(r['comm_bytes_inter_node'])}")
         parts.append(f"mem {_fmt_bytes(r['peak_memory_bytes'])}")
         if r["world_size"] > 1:
-            parts.append(f"slowest rank {r['slowest_rank']} ({r['step_time_max_over_median']:.2f}x median)")
+            parts.append(f"slowest rank {r['slowest_rank']} (busy {r['rank_busy_max_over_median']:.2f}x median)")
         parts += [f"skipped {r['skipped_steps']}", f"ETA {_fmt_duration(r['eta_s'])}"]
         return " | ".join(parts)

@@ -21,17 +21,21 @@ def gather_rank_values(values: list[float], device: torch.device) -> list[list[f
     return [t.tolist() for t in out]
 
 
-def straggler_summary(step_times: list[float]) -> dict[str, float | int]:
-    """Spread of per-rank mean step times and the slowest rank (ties: the lowest rank)."""
-    if not step_times:
-        raise ValueError("straggler_summary needs at least one rank's step time")
-    median = statistics.median(step_times)
-    slowest = max(range(len(step_times)), key=lambda r: (step_times[r], -r))
+def straggler_summary(busy_times: list[float]) -> dict[str, float | int]:
+    """Spread of per-rank mean busy times and the slowest rank (ties: the lowest rank).
+
+    Busy time is what a rank computes on its own (data wait + forward/backward, minus the exposed
+    collective wait the engine reports). Wall step times hide a straggler: synchronous collectives
+    make every rank wait for the slowest one, so all ranks show the same step time."""
+    if not busy_times:
+        raise ValueError("straggler_summary needs at least one rank's busy time")
+    median = statistics.median(busy_times)
+    slowest = max(range(len(busy_times)), key=lambda r: (busy_times[r], -r))
     return {
-        "step_time_min_s": min(step_times),
-        "step_time_median_s": median,
-        "step_time_max_s": step_times[slowest],
-        "step_time_spread_s": step_times[slowest] - min(step_times),
-        "step_time_max_over_median": step_times[slowest] / median if median > 0 else float("nan"),
+        "rank_busy_min_s": min(busy_times),
+        "rank_busy_median_s": median,
+        "rank_busy_max_s": busy_times[slowest],
+        "rank_busy_spread_s": busy_times[slowest] - min(busy_times),
+        "rank_busy_max_over_median": busy_times[slowest] / median if median > 0 else float("nan"),
         "slowest_rank": slowest,
     }

@@ -83,8 +83,8 @@ def test_bad_inputs_are_named(tmp_path):
 
 def test_straggler_summary():
     s = straggler_summary([1.0, 1.1, 3.0, 1.0])
-    assert s["slowest_rank"] == 2 and s["step_time_spread_s"] == pytest.approx(2.0)
-    assert s["step_time_max_over_median"] == pytest.approx(3.0 / 1.05)
+    assert s["slowest_rank"] == 2 and s["rank_busy_spread_s"] == pytest.approx(2.0)
+    assert s["rank_busy_max_over_median"] == pytest.approx(3.0 / 1.05)
     assert straggler_summary([2.0, 2.0])["slowest_rank"] == 0
 
 
@@ -95,9 +95,13 @@ def _two_rank_intervals(rank, world, run_dir):
     out = []
     for slow_rank in (1, 0):
         for _ in range(2):
-            dt = 0.9 if rank == slow_rank else 0.3
-            clock.t += dt
-            m.record_step({"step": dt})
+            # Both ranks take 1.0 s per step (collectives make the fast one wait); the slow one
+            # computes 0.9 s of it, the fast one 0.3 s, of which the engine reports 0.1 s exposed wait.
+            work = 0.9 if rank == slow_rank else 0.4
+            exposed = 0.0 if rank == slow_rank else 0.1
+            clock.t += 1.0
+            m.record_step({"data_wait": 0.1, "forward_backward": work - 0.1, "step": 1.0},
+                          comm={"bytes_intra_node": 0, "bytes_inter_node": 0, "exposed_s": exposed})
         out.append(m.log(2 * len(out) + 2, loss=1.0, lr=1.0, grad_norm=1.0))
     return out
 
@@ -107,7 +111,8 @@ def test_slowest_rank_is_named_across_ranks(tmp_path):
     assert res[1] == [None, None]  # only rank 0 reports
     first, second = res[0]
     assert first["slowest_rank"] == 1 and second["slowest_rank"] == 0
-    assert first["step_time_max_s"] == pytest.approx(0.9) and first["step_time_min_s"] == pytest.approx(0.3)
-    assert math.isclose(first["step_time_max_over_median"], 0.9 / 0.6)
-    assert "slowest rank 1 (1.50x median)" in MetricsLogger.console_line(first)
+    assert first["rank_busy_max_s"] == pytest.approx(0.9) and first["rank_busy_min_s"] == pytest.approx(0.3)
+    assert first["step_time_max_rank_s"] == pytest.approx(1.0)
+    assert math.isclose(first["rank_busy_max_over_median"], 0.9 / 0.6)
+    assert "slowest rank 1 (busy 1.50x median)" in MetricsLogger.console_line(first)
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2

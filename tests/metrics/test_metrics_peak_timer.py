@@ -85,3 +85,23 @@ def test_cpu_peak_memory_is_rss_and_grows():
     after = peak_memory_bytes(torch.device("cpu"))
     del big
     assert after >= before + 32 * 2**20
+
+
+@pytest.mark.gpu
+def test_cuda_peak_memory_and_peak_lookup():
+    dev = torch.device("cuda", 0)
+    torch.cuda.reset_peak_memory_stats(dev)
+    x = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
+    assert peak_memory_bytes(dev) >= 256 * 2**20
+    del x
+    # A known GPU gets its datasheet peak; an unknown one reports no MFU rather than a guess.
+    p = resolve_peak(dev, torch.bfloat16)
+    name = torch.cuda.get_device_name(dev)
+    assert (p is None) == (peak_mod.cuda_table_peak(name, torch.bfloat16) is None)
+    t = StepTimer(sync=torch.cuda.synchronize)
+    t.start_step()
+    with t.phase("forward_backward"):
+        a = torch.randn(2048, 2048, device=dev)
+        for _ in range(10):
+            a = a @ a.T / 2048
+    assert t.end_step()["forward_backward"] > 0
