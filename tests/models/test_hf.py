@@ -39,7 +39,10 @@ def write_checkpoint(ckpt_dir: pathlib.Path, cfg: LlamaConfig, seed: int, tokeni
             if name.endswith("norm.weight"):
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.1)
     state = {n: p.detach().clone() for n, p in model.named_parameters()}
-    dcp.save({f"model.{n}": t.reshape(-1) for n, t in state.items()}, checkpoint_id=str(ckpt_dir), no_dist=True)
+    entries = {f"model.{n}": t.reshape(-1) for n, t in state.items()}
+    # A training checkpoint also holds optimizer state and scalars; export must read past them.
+    entries.update({"optim.exp_avg.tok_embeddings.weight": torch.ones(3), "step": 7})
+    dcp.save(entries, checkpoint_id=str(ckpt_dir), no_dist=True)
     node = {"model": {"name": "unit", **asdict(cfg)}, "trainer": {"max_steps": 1}}
     if tokenizer:
         node["data"] = {"tokenizer": str(tokenizer)}
