@@ -1,0 +1,162 @@
+"""End to end on a real (local, one-host) Slurm: the sbatch scripts as users submit them.
+
+Tiny CPU runs with 2 ranks: pretrain.sbatch (torchrun per node) trains, checkpoints, shows the
+plan, and a second submission resumes the same run directory; SIGUSR1 to the batch shell (what
+`--signal=B:USR1@120` sends before the time limit) checkpoints and requeues, and the requeued job
+resumes; SIGUSR1 to the steps checkpoints and stops; the srun variant trains; a Hydra override typo
+fails the job at startup.
+"""
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
+
+# The debug model with a vocabulary that holds the built-in corpus tokenizer (8000 pieces).
+TINY = ["model=debug", "model.vocab_size=8192", "data.seq_len=64", "trainer.log_interval=1",
+        "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "logging.wandb.mode=disabled"]
+CPU_TORCHRUN = {"NPROC_PER_NODE": "2"}
+CPU_SBATCH = ["--nodes=1", "--gpus-per-node=0"]
+
+PLAN_LINE = re.compile(r"plan.*p/g/os = ")
+STEP_LINE = re.compile(r"step\s+(\d+)/\d+\b[^|\n]*\| loss")
+
+
+def log_of(cwd: pathlib.Path, job_name: str, job_id: str) -> pathlib.Path:
+    # pretrain*.sbatch write their log to %x-%j.out in the submit directory.
+    return cwd / f"{job_name}-{job_id}.out"
+
+
+def latest_checkpoint(run_dir: pathlib.Path) -> str:
+    latest = run_dir / "checkpoints" / "latest"
+    assert latest.exists(), f"no {latest}; run dir holds {sorted(p.name for p in run_dir.rglob('*'))}"
+    name = latest.read_text().strip()
+    assert (run_dir / "checkpoints" / name).is_dir(), f"latest names {name}, which does not exist"
+    return name
+
+
+def assert_succeeded(info, log: pathlib.Path) -> str:
+    text = log.read_text() if log.exists() else "(no log)"
+    assert info.state == "COMPLETED" and info.exit_code == "0:0", f"{info.raw}\n--- log tail\n{text[-4000:]}"
+    return text
+
+
+def test_pretrain_sbatch_trains_checkpoints_and_a_resubmission_resumes(local_slurm, tmp_path):
+    job_name = "e2e"
+    first = local_slurm.sbatch("pretrain.sbatch", *TINY, "trainer.max_steps=4", "trainer.checkpoint_interval=2",
+                               f"trainer.output_dir={tmp_path / 'runs'}", sbatch_args=[*CPU_SBATCH, f"--job-name={job_name}"],
+                               env=CPU_TORCHRUN, cwd=tmp_path)
+    log = log_of(tmp_path, job_name, first)
+    text = assert_succeeded(local_slurm.wait_done(first, timeout=150), log)
+    assert PLAN_LINE.search(text), f"no plan line in the log:\n{text[-4000:]}"
+    assert re.search(r"p/g/os = .* on 2 ranks", text), "torchrun must have started 2 ranks"
+    # The run directory is named after the job, so every rank (and a requeue) agrees on it.
+    run_dir = tmp_path / "runs" / f"{job_name}-{first}"
+    assert latest_checkpoint(run_dir) == "step_00000004"
+    assert re.search(r"saved checkpoint step 4 to \S*step_00000004", text), text[-4000:]
+
+    # Same run directory, a longer schedule: the second job continues from step 4.
+    second = local_slurm.sbatch("pretrain.sbatch", *TINY, "trainer.max_steps=6", f"trainer.run_name={job_name}-{first}",
+                                f"trainer.output_dir={tmp_path / 'runs'}", sbatch_args=[*CPU_SBATCH, f"--job-name={job_name}"],
+                                env=CPU_TORCHRUN, cwd=tmp_path)
+    log2 = log_of(tmp_path, job_name, second)
+    text2 = assert_succeeded(local_slurm.wait_done(second, timeout=150), log2)
+    assert re.search(r"resumed from checkpoint \S*step_00000004 at step 4", text2), text2[-4000:]
+    steps = [int(s) for s in STEP_LINE.findall(text2)]
+    assert steps and min(steps) == 5 and max(steps) == 6, steps
+    assert latest_checkpoint(run_dir) == "step_00000006"
+
+
+def test_usr1_before_time_limit_requeues_and_resumes_then_usr1_to_steps_stops(local_slurm, tmp_path):
+    job_name = "preempt"
+    job = local_slurm.sbatch("pretrain.sbatch", *TINY, "trainer.max_steps=100000", "trainer.checkpoint_interval=0",
+                             f"trainer.output_dir={tmp_path / 'runs'}", sbatch_args=[*CPU_SBATCH, f"--job-name={job_name}"],
+                             env=CPU_TORCHRUN, cwd=tmp_path)
+    log = log_of(tmp_path, job_name, job)
+    run_dir = tmp_path / "runs" / f"{job_name}-{job}"
+
+    def steps_logged():
+        return log.exists() and len(STEP_LINE.findall(log.read_text())) >= 2
+
+    local_slurm.wait_for(steps_logged, "training steps in the log", timeout=120, job_id=job, log=log)
+    # What --signal=B:USR1@120 delivers 120 s before the time limit: SIGUSR1 to the batch shell only.
+    local_slurm.scancel("--batch", "--signal=USR1", job)
+
+    def requeued():
+        info = local_slurm.job(job)
+        return info if info.restarts == 1 and info.state == "PENDING" else None
+
+    local_slurm.wait_for(requeued, "the job to requeue itself", timeout=90, job_id=job, log=log)
+    text = log.read_text()
+    m = re.search(r"received SIGUSR1: saving checkpoint at step (\d+) and exiting", text)
+    assert m, text[-4000:]
+    stop_step = int(m.group(1))
+    assert re.search(rf"saved checkpoint step {stop_step} to ", text), text[-4000:]
+    assert latest_checkpoint(run_dir) == f"step_{stop_step:08d}"
+    assert "requeueing job" in text
+
+    # Slurm holds a requeued batch job back for about two minutes (BeginTime); release it now.
+    local_slurm.scontrol("update", f"JobId={job}", "StartTime=now")
+
+    def resumed():
+        t = log.read_text()
+        after = t.split("resumed from checkpoint", 1)
+        return len(after) == 2 and len(STEP_LINE.findall(after[1])) >= 1
+
+    local_slurm.wait_for(resumed, "the requeued job to resume and train", timeout=120, job_id=job, log=log)
+    text = log.read_text()
+    assert re.search(rf"resumed from checkpoint \S*step_{stop_step:08d} at step {stop_step}", text), text[-4000:]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [run_dir.name], \
+        "the requeued job must use the same run directory"
+
+    # SIGUSR1 to the steps only (scancel without --batch): checkpoint and stop, no requeue.
+    local_slurm.scancel("--signal=USR1", job)
+    info = local_slurm.wait_done(job, timeout=90)
+    text = assert_succeeded(info, log)
+    assert info.restarts == 1, info.raw
+    stops = re.findall(r"received SIGUSR1: saving checkpoint at step (\d+) and exiting", text)
+    assert len(stops) == 2 and int(stops[1]) > stop_step, stops
+    assert latest_checkpoint(run_dir) == f"step_{int(stops[1]):08d}"
+    assert text.count("requeueing job") == 1, "SIGUSR1 to the steps must not requeue"
+
+
+def test_srun_variant_trains_with_slurm_env(local_slurm, tmp_path):
+    job_name = "srun"
+    job = local_slurm.sbatch("pretrain_srun.sbatch", *TINY, "trainer.max_steps=2",
+                             f"trainer.output_dir={tmp_path / 'runs'}",
+                             sbatch_args=["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", f"--job-name={job_name}"],
+                             cwd=tmp_path)
+    log = log_of(tmp_path, job_name, job)
+    text = assert_succeeded(local_slurm.wait_done(job, timeout=150), log)
+    # Rank, world size and master address came from SLURM_* (no torchrun in this variant).
+    assert PLAN_LINE.search(text), text[-4000:]
+    assert re.search(r"p/g/os = .* on 2 ranks", text), "the 2 srun tasks must have formed one 2-rank job"
+    assert [int(s) for s in STEP_LINE.findall(text)][-1] == 2
+    assert latest_checkpoint(tmp_path / "runs" / f"{job_name}-{job}") == "step_00000002"
+
+
+def test_override_typo_fails_the_job_at_startup_with_hydras_message(local_slurm, tmp_path):
+    job_name = "typo"
+    job = local_slurm.sbatch("pretrain.sbatch", *TINY, "trainer.max_stepz=3", f"trainer.output_dir={tmp_path / 'runs'}",
+                             sbatch_args=[*CPU_SBATCH, f"--job-name={job_name}"], env=CPU_TORCHRUN, cwd=tmp_path)
+    info = local_slurm.wait_done(job, timeout=120)
+    text = log_of(tmp_path, job_name, job).read_text()
+    assert info.state == "FAILED" and info.exit_code != "0:0", info.raw
+    # Hydra's own message, naming the key, from config composition ...
+    assert "Could not override 'trainer.max_stepz'" in text, text[-4000:]
+    assert re.search(r"Key 'max_stepz' (is )?not in", text), text[-4000:]
+    # ... before anything was built: no run directory, no model, no plan.
+    assert not (tmp_path / "runs").exists()
+    assert not PLAN_LINE.search(text) and "parameters" not in text, text[-4000:]
+
+
+def test_pretrain_sbatch_without_gpus_or_rank_count_is_a_clear_error(local_slurm, tmp_path):
+    job = local_slurm.sbatch("pretrain.sbatch", *TINY, sbatch_args=[*CPU_SBATCH, "--job-name=nogpu"],
+                             env={"NPROC_PER_NODE": ""}, cwd=tmp_path)
+    info = local_slurm.wait_done(job, timeout=60)
+    text = log_of(tmp_path, "nogpu", job).read_text()
+    assert info.state == "FAILED", info.raw
+    assert "no GPUs in this allocation; for a CPU run set NPROC_PER_NODE" in text, text
