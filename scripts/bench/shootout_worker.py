@@ -1,0 +1,224 @@
+"""Rank program of the shoot-out (started by shootout.py inside the emulated nodes).
+
+One process group runs every configuration in turn, in rounds, rotating the order each round, so
+all systems see the same machine conditions. Per configuration and round:
+  build the runner (same model, seed, micro-batches) -> warm-up steps -> timed steps -> close.
+Measured per timed step: wall time (barrier before, max over ranks), bytes that left each node over
+its link (eth0 tx counter of the node's namespace, read by local rank 0 between barriers), and per
+rank the peak resident set (VmHWM, reset through /proc/self/clear_refs before the build).
+The AMSP automatic plan is chosen here, on the real ranks, after a short bandwidth probe.
+"""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import gc
+import json
+import os
+import re
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+import peers  # noqa: E402
+from models.llama import LlamaConfig  # noqa: E402
+
+_libc = ctypes.CDLL("libc.so.6")
+
+
+def link_tx_bytes() -> int:
+    with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{field}:\s+(\d+)", f.read(), re.M).group(1))
+
+
+def reset_peak_rss() -> int:
+    """Return memory freed by the previous configuration to the OS, reset VmHWM; current RSS (bytes)."""
+    gc.collect()
+    _libc.malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets the peak resident set size to the current one (Linux >= 4.0)
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_rss() -> int:
+    return _status_kib("VmHWM") * 1024
+
+
+def make_batches(cfg: LlamaConfig, spec: dict, rank: int, world: int):
+    """The same global batch for every system: micro-batches of this rank, fixed by the seed."""
+    g = torch.Generator().manual_seed(spec["seed"] + 7)
+    m, b, s = spec["micro_batches"], spec["micro_batch_size"], spec["seq_len"]
+    tokens = torch.randint(0, cfg.vocab_size, (world, m, b, s + 1), generator=g)
+    return [(tokens[rank, i, :, :-1].contiguous(), tokens[rank, i, :, 1:].contiguous()) for i in range(m)]
+
+
+# ---------------------------------------------------------------- probe + planner
+
+def _timed_allreduce(t: torch.Tensor, group, repeats: int) -> float:
+    dist.all_reduce(t, group=group)  # warm the connection
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(t, group=group)
+        times.append(time.perf_counter() - t0)
+    x = torch.tensor([statistics.median(times)])
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x.item()
+
+
+def probe_cluster(nodes: int, rpn: int, probe_mb: float) -> dict:
+    """All-reduce bus bandwidth inside a node and across nodes (one rank per node, all R such groups
+    at once, as the planner's inter-node scope assumes), plus latency from a tiny all-reduce."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    intra = [dist.new_group(list(range(n * rpn, (n + 1) * rpn))) for n in range(nodes)]
+    inter = [dist.new_group(list(range(lr, world, rpn))) for lr in range(rpn)]
+    big = torch.ones(int(probe_mb * 2**20 / 4))
+    small = torch.ones(1)
+    out = {}
+    for scope, groups, n in (("intra", intra, rpn), ("inter", inter, nodes)):
+        if n < 2:
+            continue
+        g = groups[rank // rpn] if scope == "intra" else groups[rank % rpn]
+        lat = _timed_allreduce(small, g, 5)
+        t = _timed_allreduce(big, g, 3)
+        busbw = big.numel() * 4 * 2 * (n - 1) / n / max(t - lat, 1e-6) / 1e9
+        if scope == "inter":
+            busbw *= rpn  # the planner's inter scope is per node: R groups share the node's link
+        out[scope] = {"latency_s": lat, "busbw_gbs": busbw, "probe_s": t}
+    return out
+
+
+def measure_peak_flops(seconds: float = 1.0) -> float:
+    """fp32 matmul rate of one rank while all ranks run it at once (what a rank really gets here)."""
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    dist.barrier()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        n += 1
+    rate = torch.tensor([2 * 512**3 * n / (time.perf_counter() - t0)])
+    dist.all_reduce(rate)
+    return rate.item() / dist.get_world_size()
+
+
+def choose_auto_plan(cfg: LlamaConfig, spec: dict, probe: dict, peak_flops: float):
+    from amsp.planner.cluster import AlphaBeta, ClusterSpec
+    from amsp.planner.cost_model import Options
+    from amsp.planner.solve import plan_cluster
+    from amsp.planner.workload import Workload
+    from amsp.schedule import Precision
+
+    nodes, rpn = spec["nodes"], spec["ranks_per_node"]
+    fb = {s: AlphaBeta(v["latency_s"], v["busbw_gbs"]) for s, v in probe.items()}
+    for s in ("intra", "inter"):  # a scope with a single member never communicates; any value works
+        fb.setdefault(s, AlphaBeta(1e-4, 1.0))
+    cluster = ClusterSpec(name="netns-emulated", nodes=nodes, ranks_per_node=rpn,
+                          device_memory_bytes=int(spec["device_memory_bytes"]), peak_flops=peak_flops,
+                          memory_bandwidth_gbs=5.0, dtype="fp32", fallback=fb, source="probe")
+    wl = Workload(model=cfg, seq_len=spec["seq_len"], micro_batch_size=spec["micro_batch_size"],
+                  micro_batches=spec["micro_batches"], precision=Precision.named(spec["precision"]))
+    opts = Options(reserved_bytes=int(spec.get("reserved_bytes", 0)), memory_margin=spec.get("memory_margin", 0.08))
+    return plan_cluster(wl, cluster, opts)
+
+
+# ---------------------------------------------------------------- one configuration
+
+def run_config(system: str, plan, cfg: LlamaConfig, spec: dict, batches) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local0 = int(os.environ["LOCAL_RANK"]) == 0
+    base_rss = reset_peak_rss()
+    dist.barrier()
+    t_build = time.perf_counter()
+    runner = peers.make_runner(system, cfg, spec["seed"], spec["precision"], spec["lr"], spec["nodes"],
+                               spec["ranks_per_node"], plan)
+    build_s = time.perf_counter() - t_build
+    losses, times, tx = [], [], []
+    for step in range(spec["warmup_steps"] + spec["timed_steps"]):
+        dist.barrier()
+        b0 = link_tx_bytes() if local0 else 0
+        t0 = time.perf_counter()
+        losses.append(runner.train_step(batches))
+        dt = time.perf_counter() - t0
+        dist.barrier()
+        b1 = link_tx_bytes() if local0 else 0
+        if step >= spec["warmup_steps"]:
+            times.append(dt)
+            tx.append(b1 - b0)
+    state_bytes = runner.model_state_bytes()
+    runner.close()
+    del runner
+    peak = peak_rss()
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    sent = torch.tensor(tx, dtype=torch.float64)
+    dist.all_reduce(sent)  # only each node's local rank 0 contributed its node's counter
+    mem = torch.tensor([peak, base_rss, state_bytes], dtype=torch.float64)
+    mems = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(mems, mem)
+    return {"step_s": t.tolist(), "inter_node_bytes": sent.tolist(), "losses": losses, "build_s": build_s,
+            "peak_rss": [int(m[0]) for m in mems], "base_rss": [int(m[1]) for m in mems],
+            "model_state_bytes": [int(m[2]) for m in mems]}
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec.get("collective_timeout_s", 300)))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = LlamaConfig(**spec["model"])
+    batches = make_batches(cfg, spec, rank, world)
+    from amsp.plan import make_plan
+
+    plans, auto_info = {}, None
+    systems = list(spec["systems"])
+    if "amsp:auto" in systems:
+        probe = probe_cluster(spec["nodes"], spec["ranks_per_node"], spec.get("probe_mb", 4.0))
+        peak = measure_peak_flops()
+        obj = [None]
+        if rank == 0:
+            res = choose_auto_plan(cfg, spec, probe, peak)
+            obj = [{"plan": res.plan, "table": res.table(), "probe": probe, "peak_flops": peak}]
+        dist.broadcast_object_list(obj, src=0)
+        auto_info = obj[0]
+        plans["amsp:auto"] = auto_info["plan"]
+    for s in systems:
+        if s.startswith("amsp:") and s != "amsp:auto":
+            plans[s] = make_plan(s.split(":", 1)[1], world, spec["ranks_per_node"])
+    results: dict[str, list] = {s: [] for s in systems}
+    t_start = time.monotonic()
+    for r in range(spec["rounds"]):
+        order = systems[r % len(systems):] + systems[:r % len(systems)]
+        for s in order:
+            results[s].append(run_config(s, plans.get(s), cfg, spec, batches))
+            if rank == 0:
+                last = results[s][-1]
+                print(f"round {r} {s:14s} step {statistics.median(last['step_s']):.3f} s  "
+                      f"link {statistics.median(last['inter_node_bytes']) / 1e6:.1f} MB  "
+                      f"loss {last['losses'][-1]:.5f}  ({time.monotonic() - t_start:.0f} s)", flush=True)
+    if rank == 0:
+        out = {"results": results, "plans": {s: str(p) for s, p in plans.items()}}
+        if auto_info:
+            out["auto"] = {"plan": str(auto_info["plan"]), "table": auto_info["table"], "probe": auto_info["probe"],
+                           "peak_flops": auto_info["peak_flops"]}
+        with open(spec["out"], "w") as f:
+            json.dump(out, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
