@@ -23,11 +23,12 @@ from amsp.launch import DistEnv, init_distributed
 from amsp.metrics import MetricsLogger, StepTimer, resolve_peak
 from amsp.metrics.plot import plot_run
 from amsp.metrics.wandb_logger import WandbLogger
-from amsp.optim import WarmupCosine, param_groups
+from amsp.build import engine_from_config
+from amsp.optim import WarmupCosine
 from configs.schema import register_configs, to_llama_config
 from data.loader import MicroBatchLoader
 from data.pipeline import build_data
-from models.llama import build_model, flops_per_token
+from models.llama import flops_per_token
 
 log = logging.getLogger("train")
 register_configs()
@@ -77,16 +78,6 @@ def batch_geometry(cfg: DictConfig, dp: int) -> tuple[int, int]:
     return gbs, gbs // (mbs * dp)
 
 
-def average_gradients(model: torch.nn.Module, world: int) -> None:
-    # Plain replicated data parallelism; the AMSP engine replaces this with sharded collectives.
-    if world == 1:
-        return
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-            p.grad.div_(world)
-
-
 def make_wandb(cfg: DictConfig, run_dir: pathlib.Path, rank: int, resume_id: str | None) -> WandbLogger:
     w = cfg.logging.wandb
     return WandbLogger(mode=w.mode, run_dir=run_dir, config=OmegaConf.to_container(cfg, resolve=True), rank=rank,
@@ -133,15 +124,16 @@ def main(cfg: DictConfig) -> None:
              "frequencies)", data.unigram_entropy)
     train_loader = MicroBatchLoader(data.train, gbs, mbs, denv.rank, denv.world_size, prefetch=cfg.data.prefetch)
 
-    model = build_model(model_cfg, device=device, dtype=dtype, seed=cfg.trainer.seed)
-    n_params = sum(p.numel() for p in model.parameters())
+    # The AMSP engine builds the model on the meta device and initialises only this rank's shards;
+    # the plan is validated (rules named) before anything is allocated.
+    engine = engine_from_config(cfg.amsp, cfg.optim, cfg.trainer.dtype, model_cfg, denv, device, cfg.trainer.seed)
+    dtype = engine.compute_dtype
+    n_params = model_cfg.num_params()
     fpt = flops_per_token(model_cfg, seq_len)
     log.info("model %s: %.2fM parameters, %.3g FLOPs/token at seq_len %d; global batch %d samples "
              "(%d micro-batches of %d per rank)", cfg.model.name, n_params / 1e6, fpt, seq_len, gbs, accum, mbs)
 
     o = cfg.optim
-    optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2),
-                                  eps=o.eps, foreach=True)
     schedule = WarmupCosine(o.lr, o.min_lr, o.warmup_steps, o.decay_steps or cfg.trainer.max_steps)
 
     tokens_per_step = gbs * seq_len
@@ -152,28 +144,22 @@ def main(cfg: DictConfig) -> None:
     for step in range(cfg.trainer.max_steps):
         timer.start_step()
         lr = schedule(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
         loss_sum = torch.zeros((), device=device)
         for micro in range(accum):
             x, y = next(train_loader)
             timer.lap("data_wait")
-            loss = model(x.to(device), y.to(device))
-            (loss / accum).backward()
-            loss_sum += loss.detach()
+            loss = engine.forward_backward(x, y, micro, accum)
+            loss_sum += loss
             timer.lap("forward_backward")
-        average_gradients(model, denv.world_size)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        result = engine.step(lr)  # gradient sync, sharded AdamW with global-norm clipping, spread
+        grad_norm = torch.tensor(result.grad_norm)
         timer.lap("optimizer")
 
         loss_avg = loss_sum / accum
         if denv.world_size > 1:
             dist.all_reduce(loss_avg)
             loss_avg /= denv.world_size
-        # The engine will pass its per-step communication stats here (comm=..., see amsp.metrics.COMM_KEYS).
-        metrics.record_step(timer.end_step())
+        metrics.record_step(timer.end_step(), comm=engine.comm_stats().as_metrics())
         if (step + 1) % cfg.trainer.log_interval == 0 or step + 1 == cfg.trainer.max_steps:
             metrics.log(step + 1, loss=loss_avg.item(), lr=lr, grad_norm=grad_norm.item())
             if not math.isfinite(loss_avg.item()):

@@ -58,6 +58,11 @@ class CommStats:
     def inter_node_bytes(self) -> int:
         return sum(v for (_, _, where), v in self.bytes.items() if where == "inter")
 
+    def as_metrics(self) -> dict[str, float]:
+        """The keys amsp.metrics.MetricsLogger.record_step(comm=...) takes."""
+        return {"bytes_intra_node": float(self.total_bytes - self.inter_node_bytes),
+                "bytes_inter_node": float(self.inter_node_bytes), "exposed_s": self.exposed_s}
+
 
 class Handle:
     """An in-flight collective; wait() blocks and books the blocked time on the phase."""

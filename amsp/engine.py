@@ -73,6 +73,7 @@ class AMSPEngine:
         self.precision_name = resolve_precision(options.precision, self.device)
         self.precision = Precision.named(self.precision_name)
         dtype = torch.float32 if self.precision_name == "fp32" else torch.bfloat16
+        self.compute_dtype = dtype
         ensure_groups([plan.blocks, plan.embed_head], topo)
         self.comm = Comm(topo, rank)
         with torch.device("meta"):
@@ -117,8 +118,7 @@ class AMSPEngine:
                     offset += p.numel()
             deg = self.plan.for_group(grp)
             groups = unit_groups(deg, self.topo, self.rank)
-            dt = torch.float32 if dtype == torch.float32 else torch.bfloat16
-            units.append(FlatUnit(uname, grp, modules, slots, deg, groups, self.rank, self.topo.world, dt, dt,
+            units.append(FlatUnit(uname, grp, modules, slots, deg, groups, self.rank, self.topo.world, dtype, dtype,
                                   self.device, self.comm))
         missing = {n for n, _ in self.model.named_parameters()} - seen
         if missing:

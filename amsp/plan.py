@@ -137,3 +137,25 @@ def make_plan(name: str, world: int, ranks_per_node: int, blocks: Degrees | None
     embed_head = blocks if embed_head is None else validate_degrees(
         embed_head, world, ranks_per_node, what=f"{name} embedding+head")
     return Plan(blocks=blocks, embed_head=embed_head, name=name)
+
+
+def _explicit(triple: tuple, what: str) -> Degrees | None:
+    given = [v is not None for v in triple]
+    if not any(given):
+        return None
+    if not all(given):
+        names = [n for n, v in zip(("p", "g", "os"), triple) if v is None]
+        raise PlanError(f"{what}: explicit degrees need p, g and os together; missing {', '.join(names)}")
+    return Degrees(*(int(v) for v in triple))
+
+
+def plan_from_settings(name: str, world: int, ranks_per_node: int, blocks: tuple = (None, None, None),
+                       embed_head: tuple = (None, None, None)) -> Plan:
+    """The plan a user asked for: a preset name, or explicit (p, g, os) degrees for the blocks
+    (name becomes 'custom'), optionally different (p, g, os) for the embedding + head. Explicit
+    block degrees take precedence over the name; 'custom' without degrees is an error."""
+    b = _explicit(blocks, "amsp.p/g/os")
+    e = _explicit(embed_head, "amsp.embed_head_p/g/os")
+    if b is None and name == "custom":
+        raise PlanError("amsp.plan=custom needs explicit degrees amsp.p, amsp.g and amsp.os")
+    return make_plan("custom" if b is not None else name, world, ranks_per_node, blocks=b, embed_head=e)

@@ -95,7 +95,19 @@ class LoggingConfig:
 
 @dataclass
 class AMSPConfig:
+    """The data-parallel layer (amsp/). `plan` is a preset name (ddp, zero1, zero2, zero3, hsdp) or
+    "custom" with explicit degrees; giving p/g/os with a preset name is an error (ambiguous)."""
     plan: str = "ddp"
+    p: Optional[int] = None  # explicit shard degrees for the transformer blocks (all three together)
+    g: Optional[int] = None
+    os: Optional[int] = None
+    embed_head_p: Optional[int] = None  # embedding + output head; default: the blocks' degrees
+    embed_head_g: Optional[int] = None
+    embed_head_os: Optional[int] = None
+    ranks_per_node: Optional[int] = None  # default: the launcher's LOCAL_WORLD_SIZE; set to pose as nodes
+    precision: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | fp32 | bf16: compute weights + communication
+    overlap_spread: bool = False  # overlap the parameter spread with the next step's forward
+    prefetch: bool = True  # prefetch the next unit's parameter all-gather
 
 
 @dataclass
@@ -132,6 +144,7 @@ class PlannerConfig:
     tp: int = 1  # fixed tensor-parallel degree (model parallelism plugs in later)
     pp: int = 1  # fixed pipeline-parallel degree
     overlap_spread: bool = True  # the parameter spread may overlap the next forward
+    overlap_slowdown: float = 0.1  # compute seconds lost per second of communication hidden behind it
     top_k: int = 10  # alternatives shown in the table
     time_limit_s: float = 20.0  # CBC wall-clock limit
 

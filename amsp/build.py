@@ -1,0 +1,58 @@
+"""From the `amsp` config node and the launch environment to a running engine (used by train.py).
+
+The plan is resolved and validated before any model state exists; an invalid plan is a PlanError
+naming the broken rule. The config node is read by attribute (a Hydra DictConfig or the
+configs.schema.AMSPConfig dataclass), so amsp/ does not import the config package.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from models.llama.config import LlamaConfig
+
+from .engine import AMSPEngine, EngineOptions
+from .launch import DistEnv
+from .plan import Plan, plan_from_settings
+from .sharded_optim import AdamWSettings
+from .topology import Topology
+
+log = logging.getLogger(__name__)
+
+
+def topology_from(amsp_cfg, denv: DistEnv) -> Topology:
+    rpn = amsp_cfg.ranks_per_node or denv.local_world_size
+    if denv.world_size % rpn:
+        raise ValueError(f"amsp.ranks_per_node={rpn} does not divide the world size {denv.world_size}")
+    return Topology(denv.world_size, rpn)
+
+
+def plan_from_config(amsp_cfg, topo: Topology) -> Plan:
+    c = amsp_cfg
+    plan = plan_from_settings(c.plan, topo.world, topo.ranks_per_node, blocks=(c.p, c.g, c.os),
+                              embed_head=(c.embed_head_p, c.embed_head_g, c.embed_head_os))
+    if plan.name == "custom" and c.plan not in ("custom", "auto"):
+        log.info("explicit degrees amsp.p/g/os = %s take precedence over amsp.plan=%s", plan.blocks, c.plan)
+    return plan
+
+
+def precision_from_config(amsp_cfg, trainer_dtype: str) -> str:
+    """amsp.precision wins; when it is auto, trainer.dtype (auto|fp32|bf16) decides; they must agree."""
+    a, t = amsp_cfg.precision, trainer_dtype
+    if a != "auto" and t != "auto" and a != t:
+        raise ValueError(f"amsp.precision={a} contradicts trainer.dtype={t}; set one of them")
+    return a if a != "auto" else t
+
+
+def engine_from_config(amsp_cfg, optim_cfg, trainer_dtype: str, model_cfg: LlamaConfig, denv: DistEnv,
+                       device: torch.device, seed: int, plan: Plan | None = None) -> AMSPEngine:
+    """Build the engine; `plan` overrides the config's (the partitioner passes its choice here)."""
+    topo = topology_from(amsp_cfg, denv)
+    plan = plan or plan_from_config(amsp_cfg, topo)
+    o = optim_cfg
+    options = EngineOptions(precision=precision_from_config(amsp_cfg, trainer_dtype),
+                            overlap_spread=bool(amsp_cfg.overlap_spread), prefetch=bool(amsp_cfg.prefetch),
+                            optim=AdamWSettings(betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+                                                grad_clip=o.grad_clip))
+    return AMSPEngine(model_cfg, plan, topo, denv.rank, seed=seed, device=device, options=options)
