@@ -3,6 +3,8 @@
 flat:          one all_reduce over all ranks.
 hierarchical:  reduce_scatter inside the node, all_reduce of the 1/R shard among the ranks with the
                same local rank (one per node, R such groups at once), all_gather inside the node.
+reduce_scatter / all_gather: one flat call over all ranks (tensor = the full-size side), to see
+               what gloo's algorithms put on the links (a ring moves (n-1)/n of it per crossing).
 Run by netns_cluster.py inside the emulated nodes (reads the torchrun variables it sets).
 """
 from __future__ import annotations
@@ -41,9 +43,10 @@ def main() -> None:
     my_intra, my_inter = intra[rank // rpn], inter[rank % rpn]
 
     numel = int(a.mb * 1e6 / 4)
-    numel -= numel % rpn
+    numel -= numel % world
     x = torch.ones(numel)
     shard = torch.empty(numel // rpn)
+    world_shard = torch.ones(numel // world)
     results = {}
     for mode in a.modes.split(","):
         times, sent = [], []
@@ -58,8 +61,12 @@ def main() -> None:
                 if nodes > 1:
                     dist.all_reduce(shard, group=my_inter)
                 dist.all_gather_into_tensor(x, shard, group=my_intra)
+            elif mode == "reduce_scatter":  # flat, over all ranks: what crosses the links per call
+                dist.reduce_scatter_tensor(world_shard, x)
+            elif mode == "all_gather":
+                dist.all_gather_into_tensor(x, world_shard)
             else:
-                raise SystemExit(f"unknown mode {mode!r}; expected flat or hierarchical")
+                raise SystemExit(f"unknown mode {mode!r}; expected flat, hierarchical, reduce_scatter or all_gather")
             t = time.perf_counter() - t0
             dist.barrier()
             times.append(t)
