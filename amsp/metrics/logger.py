@@ -16,9 +16,9 @@ Field meanings (times are means per step over the interval, in seconds):
 - comm_bytes_intra_node / comm_bytes_inter_node: bytes per step as counted by rank 0's engine.
 - peak_memory_bytes: the largest per-rank peak (CUDA allocator peak, or process RSS on CPU).
 - rank_busy_*, slowest_rank: spread of the per-rank mean busy times (data wait + forward/backward
-  minus exposed communication: what a rank computes on its own; wall step times are equal across
-  ranks because collectives make everyone wait for the slowest), step_time_max_rank_s: the largest
-  per-rank mean wall step time.
+  + optimizer minus the engine's exposed communication wait: what a rank does on its own; wall step
+  times are equal across ranks because collectives make everyone wait for the slowest),
+  step_time_max_rank_s: the largest per-rank mean wall step time.
 """
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ class MetricsLogger:
         now = self._clock()
         n = self._steps
         mean_step = self._phase_sums["step"] / n
-        busy = self._phase_sums["data_wait"] + self._phase_sums["forward_backward"] - self._comm_sums["exposed_s"]
+        busy = sum(self._phase_sums[p] for p in PHASES) - self._comm_sums["exposed_s"]
         per_rank = gather_rank_values([mean_step, max(0.0, busy / n), float(peak_memory_bytes(self.device))],
                                       self.device)
         wall = now - self._window_t0

@@ -24,8 +24,8 @@ def gather_rank_values(values: list[float], device: torch.device) -> list[list[f
 def straggler_summary(busy_times: list[float]) -> dict[str, float | int]:
     """Spread of per-rank mean busy times and the slowest rank (ties: the lowest rank).
 
-    Busy time is what a rank computes on its own (data wait + forward/backward, minus the exposed
-    collective wait the engine reports). Wall step times hide a straggler: synchronous collectives
+    Busy time is what a rank does on its own (its timed phases minus the exposed collective wait
+    the engine reports). Wall step times hide a straggler: synchronous collectives
     make every rank wait for the slowest one, so all ranks show the same step time."""
     if not busy_times:
         raise ValueError("straggler_summary needs at least one rank's busy time")
