@@ -130,14 +130,15 @@ class MetricsLogger:
         if extra:
             record.update(extra)
         self._reset_window()
-        if self.rank != 0:
-            return None
-        with self.path.open("a") as f:
-            f.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
-        log.info(self.console_line(record))
-        if self.sink is not None:
-            self.sink.log_metrics(record, step)
-        return record
+        if self.rank == 0:
+            with self.path.open("a") as f:
+                f.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
+            log.info(self.console_line(record))
+            if self.sink is not None:
+                self.sink.log_metrics(record, step)
+        # The next interval starts now, so its throughput also pays for this logging.
+        self._window_t0 = self._clock()
+        return record if self.rank == 0 else None
 
     def _build_record(self, step: int, n: int, wall: float, per_rank: list[list[float]], loss: float,
                       lr: float, grad_norm: float, skipped: int, now: float) -> dict[str, Any]:
@@ -177,7 +178,7 @@ class MetricsLogger:
             f"step {r['step']:5d}/{r['total_steps']} ({pct:.0f}%)",
             f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}", f"grad norm {r['grad_norm']:.3f}",
             f"{r['tokens_per_s']:.0f} tok/s ({r['tokens_per_s_per_device']:.0f}/dev)",
-            f"{r['tflops_per_device']:.3f} TFLOP/s/dev",
+            f"{r['tflops_per_device']:.3g} TFLOP/s/dev",
             f"MFU {100 * r['mfu']:.1f}%" if r["mfu"] is not None else "MFU n/a",
             "step {:.3f}s (data {:.3f} fwd+bwd {:.3f} opt {:.3f}{})".format(
                 r["step_time_s"], r["time_data_wait_s"], r["time_forward_backward_s"], r["time_optimizer_s"],
