@@ -23,7 +23,7 @@ from amsp.launch import DistEnv, init_distributed
 from amsp.metrics import MetricsLogger, StepTimer, resolve_peak
 from amsp.metrics.plot import plot_run
 from amsp.metrics.wandb_logger import WandbLogger
-from amsp.build import engine_from_config
+from amsp.build import engine_from_config, plan_from_config, topology_from
 from amsp.optim import WarmupCosine
 from configs.schema import register_configs, to_llama_config
 from data.loader import MicroBatchLoader
@@ -117,6 +117,8 @@ def main(cfg: DictConfig) -> None:
         raise ValueError(f"data.seq_len={seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}")
     gbs, accum = batch_geometry(cfg, denv.world_size)
     mbs = cfg.trainer.micro_batch_size
+    # The sharding plan is checked before anything is built: a broken rule is named right away.
+    plan = plan_from_config(cfg.amsp, topology_from(cfg.amsp, denv))
     # Data first: every problem with files or the tokenizer surfaces before model state exists.
     data = build_data(cfg.data, seq_len=seq_len, seed=cfg.trainer.seed if cfg.data.seed is None else cfg.data.seed,
                       train_samples=cfg.trainer.max_steps * gbs, model_vocab_size=model_cfg.vocab_size)
@@ -126,7 +128,8 @@ def main(cfg: DictConfig) -> None:
 
     # The AMSP engine builds the model on the meta device and initialises only this rank's shards;
     # the plan is validated (rules named) before anything is allocated.
-    engine = engine_from_config(cfg.amsp, cfg.optim, cfg.trainer.dtype, model_cfg, denv, device, cfg.trainer.seed)
+    engine = engine_from_config(cfg.amsp, cfg.optim, cfg.trainer.dtype, model_cfg, denv, device, cfg.trainer.seed,
+                                plan=plan)
     dtype = engine.compute_dtype
     n_params = model_cfg.num_params()
     fpt = flops_per_token(model_cfg, seq_len)

@@ -58,6 +58,9 @@ class EngineOptions:
     precision: str = "auto"  # auto | fp32 | bf16 (compute weights and communication)
     overlap_spread: bool = False  # spread overlaps the next step's forward, unit by unit
     prefetch: bool = True  # prefetch the next unit's P all-gather in forward and backward
+    # Gradient reduce-scatters (and the last micro-batch's hierarchical sync) run in the background
+    # of the remaining backward; False waits for each as soon as it is launched (for benchmarks).
+    async_grad_reduce: bool = True
     optim: AdamWSettings = AdamWSettings()
 
 
@@ -157,9 +160,10 @@ class AMSPEngine:
     def _log_choices(self) -> None:
         if self.rank != 0:
             return
-        log.info("AMSP plan %s on %d ranks (%d per node); precision %s; prefetch %s; spread overlap %s",
-                 self.plan, self.topo.world, self.topo.ranks_per_node, self.precision_name,
-                 "on" if self.options.prefetch else "off", "on" if self.options.overlap_spread else "off")
+        on = {True: "on", False: "off"}
+        log.info("AMSP plan %s on %d ranks (%d per node); precision %s; prefetch %s; async grad reduce %s; "
+                 "spread overlap %s", self.plan, self.topo.world, self.topo.ranks_per_node, self.precision_name,
+                 on[self.options.prefetch], on[self.options.async_grad_reduce], on[self.options.overlap_spread])
         for grp in ("blocks", "embed_head"):
             us = [u for u in self.units if u.group == grp]
             if us:
@@ -212,6 +216,12 @@ class AMSPEngine:
         flat = u.flatten_grads()
         u.free()  # gradients are complete: the recompute (if any) is over, the buffer can go
         u.launch_grad_reduce(flat)
+        if not self.options.async_grad_reduce:
+            self._micro_state["pipeline"].append(u)
+            self._advance(u, 2 if st["last"] else 1)
+            if st["last"]:
+                u.finish_sync()
+            return
         # Double buffering: complete the previous unit's reduce-scatter (launched one unit ago,
         # normally finished by now) and move the last micro-batch's sync one stage on.
         pipe = st["pipeline"]

@@ -186,6 +186,8 @@ class FlatUnit:
         self._replica = (self.comm.all_reduce(shard, self.groups.os_replica, "grad_replica"), shard)
 
     def finish_sync(self) -> None:
+        if self._replica is None and self.os_grad is not None:
+            return  # already waited (synchronous gradient reduction)
         handle, shard = self._replica
         if handle is not None:
             handle.wait()

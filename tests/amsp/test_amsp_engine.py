@@ -52,11 +52,11 @@ def test_single_process_init_matches_build_model_and_guard_catches_stale_weights
 @pytest.mark.distributed
 def test_every_plan_4_ranks_as_2_nodes_of_2():
     world, rpn = 4, 2
-    ref = C.reference(world, STEPS, (8, STEPS))
+    ref = C.reference(world, STEPS, (5, 8, STEPS))
     plans = [(d.p, d.g, d.os) for d in enumerate_degrees(world, rpn)]
     cases = [{"blocks": b, "steps": STEPS} for b in plans]
     cases += [{"blocks": b, "steps": STEPS, "overlap": True} for b in plans]
-    cases += [{"blocks": b, "steps": 8, "ckpt": "full"} for b in plans]
+    cases += [{"blocks": b, "steps": 5, "ckpt": "full"} for b in plans]
     cases += [
         {"blocks": (2, 4, 4), "embed_head": (1, 1, 2), "steps": STEPS},
         {"blocks": (1, 2, 4), "embed_head": (4, 4, 4), "steps": 8, "overlap": True, "ckpt": "selective"},
@@ -89,3 +89,17 @@ def test_every_plan_8_ranks_as_2_nodes_of_4():
     # Primary fragments (OS-replica index 0) cover every parameter element exactly once.
     held = sum(per_rank[-1]["held"] for per_rank in results)
     assert held == C.model_cfg().num_params()
+
+
+def test_plan_from_settings():
+    from amsp.plan import plan_from_settings
+
+    p = plan_from_settings("ddp", 8, 4, blocks=(1, 1, 8), embed_head=(1, 2, 4))
+    assert (p.name, str(p.blocks), str(p.embed_head)) == ("custom", "1/1/8", "1/2/4")
+    assert str(plan_from_settings("zero2", 8, 4).blocks) == "1/8/8"
+    with pytest.raises(PlanError, match="missing os"):
+        plan_from_settings("ddp", 8, 4, blocks=(1, 1, None))
+    with pytest.raises(PlanError, match="needs explicit degrees"):
+        plan_from_settings("custom", 8, 4)
+    with pytest.raises(PlanError, match="nesting rule|ordering rule"):
+        plan_from_settings("ddp", 8, 4, embed_head=(2, 1, 8))
