@@ -69,10 +69,11 @@ class WandbLogger:
         return self._run.id if self._run is not None else None
 
     def log_metrics(self, record: dict[str, Any], step: int) -> None:
+        """Numbers of `record` at `step`; plain keys go under train/ so panels group together,
+        keys that already name a section ("val/loss") are kept as they are. None is dropped."""
         if self._run is None:
             return
-        # wandb rejects None; numbers only, under a train/ prefix so panels group together.
-        data = {f"train/{k}": v for k, v in record.items()
+        data = {(k if "/" in k else f"train/{k}"): v for k, v in record.items()
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
         self._run.log(data, step=step)
 

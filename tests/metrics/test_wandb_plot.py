@@ -38,9 +38,12 @@ def test_offline_run_logs_resumes_and_never_stores_the_key(tmp_path, monkeypatch
     run_id = w.run_id
     assert run_id and w.active
     w.log_metrics({"loss": 2.0, "mfu": None, "step": 5, "tokens_per_s": 10.0}, step=5)
+    w.log_metrics({"val/loss": 2.5}, step=5)
     w.log_table("plans", ["plan", "time_s"], [["ddp", 1.5], ["zero3", 2.5]])
     with pytest.raises(ValueError, match="expected 2"):
         w.log_table("plans", ["plan", "time_s"], [["ddp"]])
+    summary = dict(w._run.summary)
+    assert summary["train/loss"] == 2.0 and summary["val/loss"] == 2.5 and "train/mfu" not in summary
     w.finish()
     runs = sorted(p.name for p in (tmp_path / "wandb").iterdir() if p.name.startswith("offline-run-"))
     assert len(runs) == 1 and runs[0].endswith(run_id)
