@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import logging
 import multiprocessing as mp
@@ -42,10 +43,9 @@ def _init_worker(model_file: str) -> None:
 def encode_chunk(texts: list[str], tok: Tokenizer | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Token ids of a chunk of documents, each followed by EOS: (flat ids int32, lengths int32)."""
     tok = tok or _worker_tok
-    ids = tok.encode_batch(texts)
-    lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int32, count=len(ids))
-    eos = [tok.eos_id]
-    flat = np.fromiter((t for x in ids for t in (x + eos)), dtype=np.int32, count=int(lengths.sum()))
+    ids = tok.encode_batch(texts, add_eos=True)
+    lengths = np.fromiter(map(len, ids), dtype=np.int32, count=len(ids))
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum()))
     return flat, lengths
 
 

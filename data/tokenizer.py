@@ -40,8 +40,10 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return self.sp.encode(list(texts))
+    def encode_batch(self, texts: Sequence[str], add_eos: bool = False, threads: int = 1) -> list[list[int]]:
+        # One thread by default: preprocessing parallelises over processes, and sentencepiece's
+        # own default (all cores per call) would oversubscribe them.
+        return self.sp.encode(list(texts), add_eos=add_eos, num_threads=threads)
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.sp.decode([int(i) for i in ids])
