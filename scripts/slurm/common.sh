@@ -49,11 +49,25 @@ _on_usr1() {
     fi
 }
 
+# Installed as soon as this file is sourced: a SIGUSR1 that lands while the script is still
+# setting up would otherwise kill the batch shell (bash's default action) and lose the requeue.
+trap _on_usr1 USR1
+
+_requeue() {
+    # Ends this batch script: Slurm kills it and queues the job again with the same id.
+    scontrol requeue "$SLURM_JOB_ID" || die "scontrol requeue $SLURM_JOB_ID failed; resubmit with trainer.run_name=$(default_run_name) to resume"
+    sleep 60
+    exit 0
+}
+
 # run_step CMD...: runs the srun step in the background so the shell can take SIGUSR1 while it
 # runs (bash runs traps only between commands, and `wait` is interruptible), then requeues the
 # job if a stop was asked for and the ranks exited cleanly. Exits with the step's status.
 run_step() {
-    trap _on_usr1 USR1
+    if ((_stop_requested)); then
+        note "SIGUSR1 arrived before the ranks started; requeueing job $SLURM_JOB_ID"
+        _requeue
+    fi
     "$@" &
     _step_pid=$!
     # A trapped signal makes `wait` return early; keep waiting while the step is alive.
@@ -65,10 +79,7 @@ run_step() {
     if ((_stop_requested)); then
         if ((rc == 0)); then
             note "ranks checkpointed and exited; requeueing job $SLURM_JOB_ID to resume from the checkpoint"
-            # Ends this batch script: Slurm kills it and queues the job again with the same id.
-            scontrol requeue "$SLURM_JOB_ID" || die "scontrol requeue $SLURM_JOB_ID failed; resubmit with trainer.run_name=$(default_run_name) to resume"
-            sleep 60
-            exit 0
+            _requeue
         fi
         note "step exited with status $rc after SIGUSR1; not requeueing"
     fi
