@@ -8,8 +8,9 @@ data, then the loop (micro-batches with gradient accumulation, one optimizer ste
 """
 from __future__ import annotations
 
+import json
 import logging
-import math
+import signal
 import os
 import pathlib
 import sys
@@ -19,14 +20,17 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from amsp.checkpoint import CheckpointManager
 from amsp.launch import DistEnv, init_distributed
 from amsp.metrics import MetricsLogger, StepTimer, resolve_peak
 from amsp.metrics.plot import plot_run
 from amsp.metrics.wandb_logger import WandbLogger
 from amsp.build import engine_from_config, plan_from_config, topology_from
 from amsp.optim import WarmupCosine
+from amsp.resilience import Heartbeat, NaNInjector, PreemptionHandler, SkipGuard, TooManySkippedSteps, die_now
+from amsp.train_state import load_training_state, save_training_state
 from configs.schema import register_configs, to_llama_config
-from data.loader import MicroBatchLoader
+from data.loader import MicroBatchLoader, validation_batches
 from data.pipeline import build_data
 from models.llama import flops_per_token
 
@@ -99,7 +103,7 @@ def make_metrics(cfg: DictConfig, denv: DistEnv, run_dir: pathlib.Path, device: 
 
 @hydra.main(version_base=None, config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
-    denv = init_distributed()
+    denv = init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
     setup_logging(cfg.logging.level, denv.rank)
     set_threads(cfg, denv)
     run_dir = resolve_run_dir(cfg)
@@ -139,40 +143,119 @@ def main(cfg: DictConfig) -> None:
     o = cfg.optim
     schedule = WarmupCosine(o.lr, o.min_lr, o.warmup_steps, o.decay_steps or cfg.trainer.max_steps)
 
+    # Resume: the latest checkpoint of this run directory, whatever plan or world size wrote it.
+    ckpt = CheckpointManager(run_dir, keep_last=cfg.trainer.keep_last_checkpoints,
+                             async_save=cfg.trainer.async_checkpoint)
+    start_step, skipped_total, wandb_id = 0, 0, None
+    latest = ckpt.latest() if cfg.trainer.resume else None
+    if latest is not None:
+        meta = load_training_state(ckpt, latest, engine)
+        start_step, skipped_total, wandb_id = meta["step"], meta.get("skipped_steps", 0), meta.get("wandb_run_id")
+        train_loader.load_state_dict({"consumed_samples": meta["consumed_samples"]})
+        log.info("resumed from checkpoint %s at step %d (%d samples consumed, written by plan %s on %d ranks)",
+                 latest, start_step, meta["consumed_samples"], meta.get("plan"), meta.get("world_size"))
+
     tokens_per_step = gbs * seq_len
-    # TODO(checkpointing): pass the run id stored in the checkpoint as resume_id.
-    wandb_run = make_wandb(cfg, run_dir, denv.rank, resume_id=None)
+    wandb_run = make_wandb(cfg, run_dir, denv.rank, resume_id=wandb_id)
     metrics = make_metrics(cfg, denv, run_dir, device, dtype, tokens_per_step, fpt, wandb_run)
     timer = StepTimer(sync=torch.cuda.synchronize if device.type == "cuda" else None)
-    for step in range(cfg.trainer.max_steps):
-        timer.start_step()
-        lr = schedule(step)
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(accum):
-            x, y = next(train_loader)
-            timer.lap("data_wait")
-            loss = engine.forward_backward(x, y, micro, accum)
-            loss_sum += loss
-            timer.lap("forward_backward")
-        result = engine.step(lr)  # gradient sync, sharded AdamW with global-norm clipping, spread
-        grad_norm = torch.tensor(result.grad_norm)
-        timer.lap("optimizer")
+    preemption, heartbeat = PreemptionHandler(), Heartbeat(denv.rank, denv.world_size)
+    skips = SkipGuard(cfg.trainer.max_consecutive_skips, total=skipped_total)
+    nan_injector = NaNInjector(engine.model, list(cfg.debug.nan_loss_at_steps))
 
-        loss_avg = loss_sum / accum
+    def save(step: int) -> None:
+        meta = {"consumed_samples": train_loader.state_dict()["consumed_samples"], "skipped_steps": skips.total,
+                "wandb_run_id": wandb_run.run_id, "plan": str(engine.plan), "world_size": denv.world_size}
+        save_training_state(ckpt, engine, step, meta, resolved)
+
+    def validate(step: int) -> None:
+        if data.valid is None or cfg.trainer.val_samples <= 0:
+            return
+        loss = evaluate(engine, validation_batches(data.valid, mbs, denv.rank, denv.world_size,
+                                                   cfg.trainer.val_samples), device)
+        if denv.is_main:
+            log.info("step %d: validation loss %.4f", step, loss)
+            with open(run_dir / "validation.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "val_loss": loss}) + "\n")
+            wandb_run.log_metrics({"val/loss": loss}, step=step)
+
+    step = start_step
+    try:
+        for step in range(start_step + 1, cfg.trainer.max_steps + 1):  # 1-based: step N is the Nth update
+            heartbeat.beat(step)
+            nan_injector.current = step
+            timer.start_step()
+            lr = schedule(step - 1)
+            loss_sum = torch.zeros((), device=device)
+            for micro in range(accum):
+                x, y = next(train_loader)
+                timer.lap("data_wait")
+                if step == cfg.debug.die_at_step and denv.rank == cfg.debug.die_rank and micro == accum - 1:
+                    die_now(f"fault injection: rank {denv.rank} exits abruptly in step {step}", code=137)
+                loss_sum += engine.forward_backward(x, y, micro, accum)
+                timer.lap("forward_backward")
+            result = engine.step(lr)  # gradient sync, sharded AdamW with global-norm clipping, spread
+            timer.lap("optimizer")
+            skips.record(result.skipped, step, result.grad_norm)
+
+            loss_avg = loss_sum / accum
+            if denv.world_size > 1:
+                dist.all_reduce(loss_avg)
+                loss_avg /= denv.world_size
+            metrics.record_step(timer.end_step(), comm=engine.comm_stats().as_metrics())
+            if step % cfg.trainer.log_interval == 0 or step == cfg.trainer.max_steps:
+                metrics.log(step, loss=loss_avg.item(), lr=lr, grad_norm=result.grad_norm,
+                            skipped_steps=skips.total)
+            if skips.exhausted:
+                save(step)  # skipped updates changed nothing: this is the last good state
+                ckpt.wait()
+                raise TooManySkippedSteps(
+                    f"{skips.consecutive} consecutive steps had a non-finite loss or gradient (last: step {step}); "
+                    f"stopping. The last good state is saved in {ckpt.root}; lower optim.lr or check the data.")
+            signum = preemption.agreed_signal()
+            if signum:
+                log.info("received %s: saving checkpoint at step %d and exiting", signal.Signals(signum).name, step)
+                save(step)
+                break
+            if cfg.trainer.checkpoint_interval and step % cfg.trainer.checkpoint_interval == 0 \
+                    and step != cfg.trainer.max_steps:
+                save(step)
+            if cfg.trainer.val_interval and step % cfg.trainer.val_interval == 0:
+                validate(step)
+        else:
+            if step > start_step:
+                save(step)
+            validate(step)
+        ckpt.wait()
+    except (TooManySkippedSteps, KeyboardInterrupt):
+        raise
+    except Exception as e:  # a collective failed or timed out: a peer died or hangs
         if denv.world_size > 1:
-            dist.all_reduce(loss_avg)
-            loss_avg /= denv.world_size
-        metrics.record_step(timer.end_step(), comm=engine.comm_stats().as_metrics())
-        if (step + 1) % cfg.trainer.log_interval == 0 or step + 1 == cfg.trainer.max_steps:
-            metrics.log(step + 1, loss=loss_avg.item(), lr=lr, grad_norm=grad_norm.item())
-            if not math.isfinite(loss_avg.item()):
-                raise FloatingPointError(f"non-finite loss at step {step + 1}")
+            die_now(f"rank {denv.rank}: training failed in step {step}: {type(e).__name__}: {e}; ranks behind: "
+                    f"{heartbeat.laggards(step)}")
+        raise
+    finally:
+        preemption.restore()
 
     wandb_run.finish()
     if denv.is_main and cfg.logging.plot:
         log.info("metrics plot: %s", plot_run(run_dir))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@torch.no_grad()
+def evaluate(engine, batches, device: torch.device) -> float:
+    """Mean loss over this rank's validation batches, averaged over ranks (forward only)."""
+    total, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    for x, y in batches:
+        total += engine.evaluate(x.to(device), y.to(device)).double().cpu()
+        count += 1
+    if dist.is_initialized():
+        both = torch.stack([total, count])
+        dist.all_reduce(both)
+        total, count = both[0], both[1]
+    return float(total / count) if count > 0 else float("nan")
 
 
 if __name__ == "__main__":

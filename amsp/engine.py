@@ -302,6 +302,16 @@ class AMSPEngine:
         for u in self.units:
             self._ensure_fresh(u)
 
+    @torch.no_grad()
+    def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward-only mean loss of one batch on this rank (validation). Between steps only; its
+        gathers are not booked to any training step."""
+        if self._accumulating:
+            raise RuntimeError("AMSP: evaluate() in the middle of a step; call it after step()")
+        loss = self.model(tokens.to(self.device), targets.to(self.device))
+        self.comm.close_step()  # validation traffic is not part of a training step
+        return loss.detach()
+
     def comm_stats(self) -> CommStats:
         """Communication of the last completed step (bytes booked at launch, blocked wait time)."""
         return self._last_stats

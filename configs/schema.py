@@ -71,6 +71,15 @@ class TrainerConfig:
     output_dir: str = "runs"
     run_name: str = "${model.name}"
     threads: Optional[int] = None  # torch intra-op threads per rank; None = cores / local ranks
+    # Checkpoints: RUN_DIR/checkpoints/step_N (+ `latest`); a run with `latest` resumes from it.
+    checkpoint_interval: int = 50  # steps; 0 = only at the end and on SIGUSR1/SIGTERM
+    keep_last_checkpoints: int = 3
+    async_checkpoint: bool = False  # write in a background thread while training goes on
+    resume: bool = True
+    val_interval: int = 0  # steps between validation passes; 0 = only at the end
+    val_samples: int = 64  # validation samples per pass (whole global rounds only)
+    max_consecutive_skips: int = 5  # non-finite steps in a row before the run stops
+    collective_timeout_s: float = 600.0  # a dead or hung rank makes the others exit after this
 
 
 @dataclass
@@ -150,6 +159,14 @@ class PlannerConfig:
 
 
 @dataclass
+class DebugConfig:
+    # Fault injection, to exercise the recovery paths end to end (tests, cluster drills).
+    nan_loss_at_steps: List[int] = field(default_factory=list)  # 1-based steps whose loss is NaN
+    die_at_step: Optional[int] = None  # 1-based step in which debug.die_rank exits abruptly
+    die_rank: int = 0
+
+
+@dataclass
 class TrainConfig:
     defaults: List[Any] = field(default_factory=list)
     model: ModelConfig = MISSING
@@ -159,6 +176,7 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     amsp: AMSPConfig = field(default_factory=AMSPConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
 
 def register_configs() -> None:
