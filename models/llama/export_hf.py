@@ -2,7 +2,8 @@
 
     python -m models.llama.export_hf CKPT_DIR OUT_DIR [--dtype float32|bfloat16]
 
-CKPT_DIR is a torch.distributed.checkpoint directory whose entries `model.<parameter name>` hold
+CKPT_DIR is a torch.distributed.checkpoint directory (or a run directory / its checkpoints/ folder,
+whose `latest` pointer names one) whose entries `model.<parameter name>` hold
 full logical fp32 tensors flattened to 1-D, with the run's resolved config.yaml inside it or in its
 parent (model node under `model`, sentencepiece model path under `data.tokenizer` if any). Only the
 model entries are read, in this one process, without a process group; their shapes come from a
@@ -12,9 +13,11 @@ and, when the config names a tokenizer, tokenizer.model with its LlamaTokenizer 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
 import pathlib
+import pickle
 import sys
 import warnings
 from dataclasses import replace
@@ -58,14 +61,61 @@ def parameter_shapes(cfg: LlamaConfig) -> dict[str, torch.Size]:
     return {n: p.shape for n, p in model.named_parameters()}
 
 
+# DCP's .metadata is a pickle. It is read through this allow-list of the plain data types DCP
+# writes, so a tampered checkpoint cannot run code (tensor payloads are read with weights_only).
+_METADATA_GLOBALS = {("torch.distributed.checkpoint.metadata", n) for n in (
+    "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+    "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
+    ("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"),
+    ("builtins", "set"), ("builtins", "frozenset")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        plain_torch = module == "torch" and isinstance(getattr(torch, name, None),
+                                                       (torch.dtype, torch.layout, torch.memory_format))
+        if not plain_torch and (module, name) not in _METADATA_GLOBALS:
+            raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not a DCP "
+                                         "metadata type; refusing to load it")
+        return super().find_class(module, name)
+
+
+def _safe_reader(ckpt_dir: pathlib.Path):
+    import torch.distributed.checkpoint as dcp
+
+    class SafeReader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            md = _MetadataUnpickler(io.BytesIO((ckpt_dir / ".metadata").read_bytes())).load()
+            if getattr(md, "storage_meta", None) is not None:
+                md.storage_meta.load_id = self.load_id
+            return md
+
+    return SafeReader(str(ckpt_dir))
+
+
+def resolve_checkpoint_dir(path: str | pathlib.Path) -> pathlib.Path:
+    """A DCP directory itself, or a run's checkpoints/ directory or run directory (its `latest`)."""
+    path = pathlib.Path(path)
+    if (path / ".metadata").is_file():
+        return path
+    for root in (path, path / "checkpoints"):
+        pointer = root / "latest"
+        if pointer.is_file():
+            target = root / pointer.read_text().strip()
+            if not (target / ".metadata").is_file():
+                raise FileNotFoundError(f"{pointer} points at {target}, which is not a complete checkpoint")
+            return target
+    raise FileNotFoundError(f"{path} is not a torch.distributed.checkpoint directory (no .metadata) and has "
+                            "no `latest` pointer")
+
+
 def load_model_state(ckpt_dir: str | pathlib.Path, cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     """Full-shape fp32 parameters from the checkpoint's `model.*` entries (nothing else is read)."""
     import torch.distributed.checkpoint as dcp
 
-    ckpt_dir = pathlib.Path(ckpt_dir)
-    if not (ckpt_dir / ".metadata").is_file():
-        raise FileNotFoundError(f"{ckpt_dir} is not a torch.distributed.checkpoint directory (no .metadata)")
-    meta = dcp.FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata
+    ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
+    meta = _safe_reader(ckpt_dir).read_metadata().state_dict_metadata
     shapes = parameter_shapes(cfg)
     stored = {k[len(MODEL_PREFIX):]: v for k, v in meta.items() if k.startswith(MODEL_PREFIX)}
     missing, extra = sorted(set(shapes) - set(stored)), sorted(set(stored) - set(shapes))
@@ -82,7 +132,7 @@ def load_model_state(ckpt_dir: str | pathlib.Path, cfg: LlamaConfig) -> dict[str
     # no_dist: one process reads every entry in full, no process group needed.
     with warnings.catch_warnings():  # single-process on purpose; the warning only says so
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(buffers, checkpoint_id=str(ckpt_dir), no_dist=True)
+        dcp.load(buffers, storage_reader=_safe_reader(ckpt_dir), no_dist=True)
     return {name: buffers[MODEL_PREFIX + name].view(shape) for name, shape in shapes.items()}
 
 
@@ -91,7 +141,7 @@ def export(ckpt_dir: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: str
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    ckpt_dir, out_dir = pathlib.Path(ckpt_dir), pathlib.Path(out_dir)
+    ckpt_dir, out_dir = resolve_checkpoint_dir(ckpt_dir), pathlib.Path(out_dir)
     cfg, full = read_saved_config(ckpt_dir)
     state = load_model_state(ckpt_dir, cfg)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -182,3 +182,27 @@ def test_bad_inputs_are_named(tmp_path):
     (tmp_path / "pickled" / "config.json").write_text(json.dumps(bias))
     with pytest.raises(ValueError, match="attention_bias=True"):
         import_hf(tmp_path / "pickled", tmp_path / "out")
+
+
+class _Evil:
+    def __reduce__(self):
+        import os
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_latest_pointer_and_tampered_metadata(tmp_path):
+    import pickle
+
+    cfg = CONFIGS["untied_mha"]
+    step = tmp_path / "run" / "checkpoints" / "step_00000005"
+    step.mkdir(parents=True)
+    write_checkpoint(step, cfg, seed=2)
+    (step.parent / "latest").write_text("step_00000005\n")
+    export(tmp_path / "run", tmp_path / "hf")  # a run directory resolves through checkpoints/latest
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    (step / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    with pytest.raises(pickle.UnpicklingError, match="posix.system|os.system"):
+        load_model_state(step, cfg)
+    (step.parent / "latest").write_text("step_00000009\n")
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        export(tmp_path / "run", tmp_path / "hf2")
