@@ -88,6 +88,10 @@ class Priced:
     def crosses_nodes(self) -> bool:
         return self.nodes > 1
 
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes * self.count
+
 
 def layout(key: str, deg: Degrees, r: int, n: int) -> tuple[int, int, int]:
     """(group size, members per node, nodes) of a group that amsp.topology builds, analytically."""
@@ -174,7 +178,7 @@ class CostModel:
         if self.dp_world * self.w.tp * self.w.pp == 1:
             return []
         n, k, m = layout("world", Degrees(1, 1, 1), self.dp_per_node, self.dp_world)
-        return [self._price("grad_norm", "all_reduce", "*", n, k, m, 4, 1)]
+        return [self.price("grad_norm", "all_reduce", "*", n, k, m, 4, 1)]
 
     def constant_time_s(self) -> float:
         return self.compute_s() + sum(x.seconds * x.count for x in self.grad_norm())
@@ -198,7 +202,8 @@ class CostModel:
         return {"activations": self.w.activation_bytes(), "buckets": self.grad_buffer_bytes()}
 
     # ---- pricing ----
-    def _price(self, phase, kind, unit, n, k, m, nbytes, count) -> Priced:
+    def price(self, phase, kind, unit, n, k, m, nbytes, count) -> Priced:
+        """One collective call of `kind` moving nbytes per rank over n ranks, k on each of m nodes."""
         f = ring_factor(kind, n)
         lat_intra, lat_inter = self.c.fallback["intra"].latency_s, self.c.fallback["inter"].latency_s
         if m == 1:
@@ -224,7 +229,7 @@ class CostModel:
             if n > 1:
                 elems = s // (1 if div == "1" else getattr(deg, div))
                 nbytes = elems * (self._pb if dt == "p" else self._gb)
-                out.append(self._price(phase, kind, unit.name, n, k, m, nbytes,
+                out.append(self.price(phase, kind, unit.name, n, k, m, nbytes,
                                        self.w.micro_batches if per_mb else 1))
         return out
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 
 import pulp
 
@@ -44,9 +45,9 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
         if not keep:
             return None, time.perf_counter() - t0
         for ci in keep:
-            x[gi, ci] = pulp.LpVariable(f"x_{group}_{ci}", cat=pulp.LpBinary)
+            x[gi, ci] = prob.add_variable(f"x_{group}_{ci}", cat=pulp.LpBinary)
         prob += pulp.lpSum(x[gi, ci] for ci in keep) == 1, f"one_{group}"
-    z = pulp.LpVariable("gathered_gib", lowBound=0)
+    z = prob.add_variable("gathered_gib", lowBound=0)
 
     def role_expr(role):
         gi = t.role_group[role]
@@ -56,7 +57,11 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
         prob += z >= pulp.lpSum(role_expr(r) for r in pair), f"gathered_set_{n}"
     prob += pulp.lpSum(x[k] * (t.state_bytes[k] / GIB) for k in x) + z <= budget, "memory_per_rank"
     prob += pulp.lpSum(x[k] * (t.exposed_s[k] * 1e3) for k in x)
-    status = prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=0))
+    with warnings.catch_warnings():
+        # PuLP 3.3 deprecates PULP_CBC_CMD in favour of a separately installed CBC (pulp[cbc]); the
+        # bundled binary is what ships with the pinned PuLP, so keep it and keep the log clean.
+        warnings.filterwarnings("ignore", message=".*PULP_CBC_CMD is deprecated", category=DeprecationWarning)
+        status = prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=0))
     elapsed = time.perf_counter() - t0
     name = pulp.LpStatus[status]
     if name == "Infeasible":

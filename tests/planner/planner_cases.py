@@ -1,0 +1,24 @@
+"""Shared builders for the planner tests: clusters without Hydra, small workloads."""
+from __future__ import annotations
+
+from amsp.planner.cluster import KINDS, AlphaBeta, BandwidthCurve, ClusterSpec
+from amsp.planner.workload import Workload
+from amsp.schedule import Precision
+from models.llama.config import LlamaConfig, get_preset
+
+
+def flat_cluster(nodes: int, rpn: int, intra_gbps: float = 100.0, inter_gbps: float = 10.0, latency_us: float = 0.0,
+                 memory_gib: float = 80.0, peak_tflops: float = 100.0, curves: bool = True) -> ClusterSpec:
+    pts = {}
+    if curves:
+        for k in KINDS:
+            pts[(k, "intra")] = BandwidthCurve(((2**20, intra_gbps * 0.5), (2**28, intra_gbps)))
+            pts[(k, "inter")] = BandwidthCurve(((2**20, inter_gbps * 0.5), (2**28, inter_gbps)))
+    return ClusterSpec("test", nodes, rpn, int(memory_gib * 2**30), peak_tflops * 1e12, 2000.0, "bf16", pts,
+                       {"intra": AlphaBeta(latency_us * 1e-6, intra_gbps), "inter": AlphaBeta(latency_us * 1e-6, inter_gbps)})
+
+
+def workload(model: str | LlamaConfig = "debug", seq_len: int = 64, mbs: int = 2, micro_batches: int = 2,
+             precision: str = "bf16", recompute: str = "none", tp: int = 1, pp: int = 1) -> Workload:
+    cfg = get_preset(model) if isinstance(model, str) else model
+    return Workload(cfg, seq_len, mbs, micro_batches, Precision.named(precision), recompute, tp, pp)

@@ -1,0 +1,160 @@
+"""Cost model: group layouts, the schedule contract (byte totals), memory and activation formulas,
+the NIC-sharing rule, and that the per-group terms add up to the whole-plan evaluation."""
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from amsp.plan import Degrees, Plan, enumerate_degrees, make_plan
+from amsp.planner.cost_model import CostModel, Options, layout
+from amsp.planner.exhaustive import grid
+from amsp.planner.terms import GroupTerms
+from amsp.schedule import step_collectives, totals
+from amsp.topology import Topology
+from models.llama.config import LlamaConfig, get_preset
+from planner_cases import flat_cluster, workload
+
+SHAPES = [(4, 2), (8, 4), (8, 1), (12, 4), (16, 4), (32, 8)]
+
+
+def _topology_layout(topo: Topology, key: str, d: Degrees) -> tuple[int, int, int]:
+    groups = {"p": topo.shard_groups(d.p), "g": topo.shard_groups(d.g), "g_to_os": topo.strided_within(d.os, d.g),
+              "spread": topo.strided_within(d.os, d.p), "os_replica": topo.replica_groups(d.os),
+              "world": topo.shard_groups(topo.world)}[key]
+    shapes = set()
+    for g in groups:  # every group of a collective has the same shape
+        nodes = Counter(topo.node_of(r) for r in g)
+        shapes.add((len(g), max(nodes.values()), len(nodes)))
+    assert len(shapes) == 1, (key, d, shapes)
+    return shapes.pop()
+
+
+@pytest.mark.parametrize("world,rpn", SHAPES)
+def test_layout_matches_topology(world, rpn):
+    topo = Topology(world, rpn)
+    for d in enumerate_degrees(world, rpn):
+        for key in ("p", "g", "g_to_os", "spread", "os_replica", "world"):
+            assert layout(key, d, rpn, world) == _topology_layout(topo, key, d), (key, d)
+
+
+@pytest.mark.parametrize("world,rpn", SHAPES)
+@pytest.mark.parametrize("tied", [False, True])
+def test_collective_bytes_equal_schedule_for_every_plan(world, rpn, tied):
+    """The contract of amsp/schedule.py: the cost model prices exactly the collectives the engine
+    runs, so their byte totals per (kind, group size, intra/inter) and per phase are equal."""
+    cfg = get_preset("debug").with_overrides(tie_embeddings=tied, vocab_size=509)  # odd sizes: padding
+    precision, m = ("fp32", 3) if tied else ("bf16", 1)
+    w = workload(cfg, micro_batches=m, precision=precision)
+    model = CostModel(w, flat_cluster(world // rpn, rpn))
+    topo = Topology(world, rpn)
+    cands = model.candidates()
+    # Units are priced independently, so every triple on both groups plus mixed pairs cover every plan.
+    mixed = random.Random(world).sample(list(itertools.product(cands, cands)), min(20, len(cands) ** 2))
+    for blocks, eh in [(d, d) for d in cands] + mixed:
+        plan = Plan(blocks, eh)
+        ours = model.evaluate(plan).collectives
+        ref = step_collectives(w.units(), {"blocks": blocks, "embed_head": eh}, topo, m, w.precision)
+        assert totals(ours) == totals(ref), plan
+        key = lambda x: (x.phase, x.kind, x.unit, x.group_size, x.crosses_nodes, x.bytes, x.count)  # noqa: E731
+        assert sorted(map(key, ours)) == sorted(map(key, ref)), plan
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_units_are_the_engines_units(tied):
+    """Same units, names and sizes as amsp/engine.py builds from the model's modules (built from the
+    model's own module classes; the whole Llama would load the fused-kernel extension)."""
+    from models.llama.model import OutputHead, TransformerBlock
+
+    cfg = get_preset("debug").with_overrides(tie_embeddings=tied)
+    with torch.device("meta"):
+        emb = torch.nn.Embedding(cfg.vocab_size, cfg.dim)
+        layers = [TransformerBlock(cfg, i, "sdpa", "torch") for i in range(cfg.n_layers)]
+        head = OutputHead(cfg, "torch")
+    count = lambda mods: sum(p.numel() for mod in mods for p in mod.parameters())  # noqa: E731
+    blocks = [(f"layers.{i}", count([b])) for i, b in enumerate(layers)]
+    if tied:
+        expected = [("embed_head", count([emb, head]))] + blocks
+    else:
+        expected = [("tok_embeddings", count([emb]))] + blocks + [("head", count([head]))]
+    assert [(u.name, u.numel) for u in workload(cfg).units()] == expected
+
+
+@pytest.mark.parametrize("world,rpn,tied,spread", [(16, 4, False, True), (32, 8, True, False), (64, 8, False, False)])
+def test_group_terms_add_up_to_whole_plan(world, rpn, tied, spread):
+    """The ILP's objective (constant + per-group terms) equals the unit-by-unit evaluation."""
+    cfg = get_preset("tiny").with_overrides(tie_embeddings=tied)
+    model = CostModel(workload(cfg, seq_len=128, micro_batches=3), flat_cluster(world // rpn, rpn, latency_us=3),
+                      Options(overlap_spread=spread))
+    t = GroupTerms.build(model)
+    time, memory = grid(t)
+    rng = random.Random(world)
+    for _ in range(40):
+        i, j = rng.randrange(len(t.candidates)), rng.randrange(len(t.candidates))
+        c = model.evaluate(Plan(t.candidates[i], t.candidates[j]))
+        assert c.step_time_s == pytest.approx(time[i, j], rel=1e-12)
+        assert c.memory_total - c.memory["reserved"] == pytest.approx(memory[i, j], rel=1e-12)
+
+
+def test_model_state_bytes_follow_the_degrees():
+    """P in the compute dtype, G in fp32, OS 12 bytes (master, m, v), each divided by its degree."""
+    w = workload("tiny", precision="bf16")
+    model = CostModel(w, flat_cluster(2, 8))
+    n = w.params_per_rank()
+    ddp = model.evaluate(make_plan("ddp", 16, 8)).memory
+    assert (ddp["params"], ddp["grads"], ddp["optim"]) == (2 * n, 4 * n, 12 * n)
+    z3 = model.evaluate(make_plan("zero3", 16, 8)).memory
+    padded = sum(-(-u.numel // 16) * 16 for u in w.units())
+    assert (z3["params"], z3["grads"], z3["optim"]) == (2 * padded // 16, 4 * padded // 16, 12 * padded // 16)
+    assert z3["gathered"] > 0 and ddp["gathered"] == 0  # gathered weights only when p > 1
+
+
+def test_activation_formula_and_recomputation_order():
+    cfg = get_preset("llama2_7b")
+    w = workload(cfg, seq_len=4096, mbs=1, precision="bf16")
+    h, f, t = 4096, cfg.ffn_hidden_dim, 4096
+    assert w.layer_activation_bytes("none") == (6 * h + 2 * h + 4 * f) * 2 * t
+    assert w.layer_activation_bytes("full") == h * 2 * t
+    none, sel, full = (workload(cfg, seq_len=4096, mbs=1, recompute=r).activation_bytes()
+                       for r in ("none", "selective", "full"))
+    assert full < sel < none
+    gqa = LlamaConfig(dim=4096, n_layers=2, n_heads=32, n_kv_heads=8)
+    assert workload(gqa).layer_activation_bytes() < workload(gqa.with_overrides(n_kv_heads=32)).layer_activation_bytes()
+
+
+def test_a_node_nics_are_shared_by_its_concurrent_groups():
+    """DESIGN §3: DDP's all_reduce of S (k = R, one group per node) and the all_reduce of S/R shards
+    among one rank per node (k = 1, R groups side by side) put the same bytes through a node's NICs."""
+    model = CostModel(workload(), flat_cluster(16, 8, intra_gbps=1e6, inter_gbps=10.0, curves=False))
+    s = 2**28
+    ddp = model.price("grad_replica", "all_reduce", "x", 128, 8, 16, s, 1).seconds
+    hier = model.price("grad_replica", "all_reduce", "x", 16, 1, 16, s // 8, 1).seconds
+    assert hier == pytest.approx(ddp * (15 / 16) / (127 / 128), rel=1e-9)  # ring factors 2(n-1)/n
+    # Without the sharing rule the hierarchical one would look 8x cheaper:
+    assert hier > 4 * (s // 8) * 2 * 15 / 16 / 10e9
+
+
+def test_no_parameter_sharding_across_nodes_for_nothing():
+    """Memory to spare, several micro-batches: P and G stay inside a node (AMSP's finding)."""
+    from amsp.planner.solve import plan_cluster
+
+    w = workload("llama2_7b", seq_len=2048, mbs=1, micro_batches=8, recompute="selective")
+    res = plan_cluster(w, flat_cluster(32, 8, intra_gbps=150, inter_gbps=90, latency_us=3, peak_tflops=312))
+    for d in (res.plan.blocks, res.plan.embed_head):
+        assert d.p <= 8 and d.g <= 8, res.plan
+
+
+def test_infeasible_names_the_smallest_plan_and_the_excess():
+    from amsp.planner.report import NoFeasiblePlan
+    from amsp.planner.solve import plan_cluster
+
+    w = workload("llama2_70b", seq_len=4096, mbs=2, micro_batches=1, recompute="none")
+    with pytest.raises(NoFeasiblePlan) as e:
+        plan_cluster(w, flat_cluster(1, 8, memory_gib=80))
+    msg = str(e.value)
+    assert "smallest-memory plan" in msg and "GiB over" in msg
+    assert "activation_checkpointing" in msg and "micro_batch_size" in msg
+    assert e.value.excess_bytes > 0
