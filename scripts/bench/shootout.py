@@ -88,7 +88,10 @@ def summarize(spec: dict, raw: dict, skipped: dict) -> list[dict]:
         if s in skipped:
             rows.append({"system": s, "fits": False, "model_state_mb": skipped[s]["model_state_bytes"] / 1e6})
             continue
-        rs = raw["results"][s]
+        rs = raw["results"].get(s)
+        if not rs:
+            rows.append({"system": s, "fits": True, "not_run": True})
+            continue
         steps = [t for r in rs for t in r["step_s"]]
         med = statistics.median(steps)
         rows.append({
@@ -100,9 +103,9 @@ def summarize(spec: dict, raw: dict, skipped: dict) -> list[dict]:
             "model_state_mb": max(max(r["model_state_bytes"]) for r in rs) / 1e6,
             "final_loss": rs[-1]["losses"][-1],
         })
-    best_peer = max((r["tokens_per_s"] for r in rows if r["system"] in PEERS and r["fits"]), default=None)
+    best_peer = max((r["tokens_per_s"] for r in rows if r["system"] in PEERS and "tokens_per_s" in r), default=None)
     for r in rows:
-        if r["fits"] and best_peer:
+        if r["fits"] and best_peer and not r.get("not_run"):
             r["vs_best_peer"] = r["tokens_per_s"] / best_peer
     return rows
 
@@ -118,7 +121,8 @@ def markdown(regime: str, spec: dict, rows: list[dict], raw: dict, cmd: str, dat
              f"{spec['model']['vocab_size']} ({spec['numel'] / 1e6:.2f} M params); global batch {gb} x "
              f"{spec['seq_len']} tokens = {spec['micro_batches']} micro-batches of {spec['micro_batch_size']} per rank; "
              f"{spec['rounds']} rounds x {spec['timed_steps']} timed steps (+{spec['warmup_steps']} warm-up) per "
-             f"configuration, order rotated each round"]
+             f"configuration, order rotated each round" + ("" if raw.get("complete", True) else
+                                                            "; STOPPED by its time limit (partial)")]
     if spec.get("budget_bytes_per_param"):
         lines.append(f"- memory budget per rank: {spec['device_memory_bytes'] / 1e6:.1f} MB = "
                      f"{spec['budget_bytes_per_param']} bytes/param (given to the planner as device memory)")
@@ -133,6 +137,9 @@ def markdown(regime: str, spec: dict, rows: list[dict], raw: dict, cmd: str, dat
         if not r["fits"]:
             lines.append(f"| {r['system']} | | does not fit: model states {r['model_state_mb']:.1f} MB > budget "
                          f"| | | | {r['model_state_mb']:.1f} | | |")
+            continue
+        if r.get("not_run"):
+            lines.append(f"| {r['system']} | | not reached within the run's time limit | | | | | | |")
             continue
         plan = (r["plan"].split("(")[-1].rstrip(")").replace("p/g/os = ", "") if r["plan"]
                 else {"ddp": "1/1/1", "fsdp2": "N/N/N", "fsdp2_hsdp": "R/R/R"}[r["system"]])
@@ -202,7 +209,9 @@ def main() -> int:
     print(next((r.log for r in res.ranks if r.rank == 0), "")[-6000:])
     if not res.ok:
         print(res.failure_report(), file=sys.stderr)
-        return 1
+        if not (res.timed_out and os.path.exists(spec["out"])):
+            return 1
+        print(f"time limit {a.timeout:.0f} s reached: reporting the configurations that finished", file=sys.stderr)
     with open(spec["out"]) as f:
         raw = json.load(f)
     rows = summarize(spec, raw, skipped)

@@ -173,6 +173,18 @@ def run_config(system: str, plan, cfg: LlamaConfig, spec: dict, batches) -> dict
             "model_state_bytes": [int(m[2]) for m in mems]}
 
 
+def write_results(path: str, results: dict, plans: dict, auto_info: dict | None, complete: bool) -> None:
+    out = {"results": {k: v for k, v in results.items() if v}, "plans": {s: str(p) for s, p in plans.items()},
+           "complete": complete}
+    if auto_info:
+        out["auto"] = {"plan": str(auto_info["plan"]), "table": auto_info["table"], "probe": auto_info["probe"],
+                       "peak_flops": auto_info["peak_flops"]}
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(out, f, indent=1)
+    os.replace(tmp, path)
+
+
 def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
@@ -209,13 +221,10 @@ def main() -> None:
                 print(f"round {r} {s:14s} step {statistics.median(last['step_s']):.3f} s  "
                       f"link {statistics.median(last['inter_node_bytes']) / 1e6:.1f} MB  "
                       f"loss {last['losses'][-1]:.5f}  ({time.monotonic() - t_start:.0f} s)", flush=True)
+                # Written after every configuration, so a run stopped by its time limit keeps what it measured.
+                write_results(spec["out"], results, plans, auto_info, complete=False)
     if rank == 0:
-        out = {"results": results, "plans": {s: str(p) for s, p in plans.items()}}
-        if auto_info:
-            out["auto"] = {"plan": str(auto_info["plan"]), "table": auto_info["table"], "probe": auto_info["probe"],
-                           "peak_flops": auto_info["peak_flops"]}
-        with open(spec["out"], "w") as f:
-            json.dump(out, f, indent=1)
+        write_results(spec["out"], results, plans, auto_info, complete=True)
     dist.barrier()
     dist.destroy_process_group()
 
