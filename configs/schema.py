@@ -24,7 +24,9 @@ class ModelConfig(LlamaConfig):
 class BuiltinCorpusConfig:
     """The Python stdlib corpus used when neither data.prefix nor data.blend is set."""
     max_bytes: int = 12_000_000  # of stdlib sources, in path order
-    vocab_size: int = 8000  # BPE pieces; padded to 8064 it fits the tiny model's 8192
+    # BPE pieces; None = the largest multiple of data.pad_vocab_multiple that fits model.vocab_size
+    # (at most 32000): 8192 for tiny, 512 for debug.
+    vocab_size: Optional[int] = None
     workers: int = 2  # tokenizer processes for the one-time preprocessing
 
 

@@ -65,7 +65,25 @@ def unigram_entropy(datasets: list[GPTDataset], weights: list[float], vocab: int
     return float(-(p * np.log(p)).sum())
 
 
-def _sources(cfg: Any) -> tuple[list[tuple[float, str]], str]:
+BUILTIN_MAX_VOCAB = 32000
+_BUILTIN_MIN_VOCAB = 384  # 256 byte pieces + special pieces + the corpus's characters
+
+
+def builtin_vocab_size(cfg: Any, model_vocab_size: int) -> int:
+    """data.builtin.vocab_size, or by default the largest multiple of data.pad_vocab_multiple that
+    fits the model (at most 32000), so every preset trains on the built-in corpus as it is."""
+    if cfg.builtin.vocab_size:
+        return int(cfg.builtin.vocab_size)
+    m = max(1, cfg.pad_vocab_multiple)
+    v = min(model_vocab_size, BUILTIN_MAX_VOCAB) // m * m
+    if v < _BUILTIN_MIN_VOCAB:
+        raise DataError("model.vocab_size", f"{model_vocab_size} is too small for a byte-fallback tokenizer on the "
+                                            f"built-in corpus (needs >= {_BUILTIN_MIN_VOCAB}); use data.prefix "
+                                            "with your own tokenizer")
+    return v
+
+
+def _sources(cfg: Any, model_vocab_size: int) -> tuple[list[tuple[float, str]], str]:
     if cfg.prefix and cfg.blend:
         raise DataError("data.prefix", "set data.prefix or data.blend, not both")
     if cfg.prefix or cfg.blend:
@@ -77,7 +95,8 @@ def _sources(cfg: Any) -> tuple[list[tuple[float, str]], str]:
         raise DataError("data.tokenizer", "is only used with data.prefix or data.blend; the built-in corpus "
                                           "trains its own")
     b = cfg.builtin
-    corpus = prepare_builtin(resolve_cache_dir(cfg.cache_dir), b.max_bytes, b.vocab_size, b.workers)
+    corpus = prepare_builtin(resolve_cache_dir(cfg.cache_dir), b.max_bytes, builtin_vocab_size(cfg, model_vocab_size),
+                             b.workers)
     log.info("data: built-in corpus (%d Python stdlib files, %.1f MB)", corpus.documents, corpus.num_bytes / 1e6)
     return [(1.0, corpus.prefix)], corpus.tokenizer_model
 
@@ -97,7 +116,7 @@ def _build_split(parts: list[tuple[float, IndexedDataset, tuple[int, int]]], seq
 
 def build_data(cfg: Any, *, seq_len: int, seed: int, train_samples: int, model_vocab_size: int) -> TrainData:
     """cfg is the `data` config node; train_samples = steps x global batch."""
-    specs, tok_path = _sources(cfg)
+    specs, tok_path = _sources(cfg, model_vocab_size)
     tok = Tokenizer(tok_path)
     padded = check_fits_model(tok, model_vocab_size, cfg.pad_vocab_multiple)
     cache = resolve_cache_dir(cfg.cache_dir)

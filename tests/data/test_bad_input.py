@@ -130,3 +130,13 @@ def test_config_errors_name_the_key(tmp_path, dataset_prefix, tokenizer_model):
                     cache_dir=str(tmp_path))
     data = build_data(cfg, seq_len=16, seed=1, train_samples=100, model_vocab_size=512)
     assert len(data.train) == 100 and data.valid is not None and 0 < data.unigram_entropy < 7
+
+
+def test_builtin_tokenizer_size_follows_the_model():
+    from data.pipeline import builtin_vocab_size
+
+    cfg = _data_cfg(builtin=SimpleNamespace(vocab_size=None))
+    assert builtin_vocab_size(cfg, 8192) == 8192 and builtin_vocab_size(cfg, 512) == 512
+    assert builtin_vocab_size(cfg, 128256) == 32000 and builtin_vocab_size(cfg, 1000) == 896
+    raises_one_line(lambda: builtin_vocab_size(cfg, 256), "model.vocab_size", "too small")
+    assert builtin_vocab_size(_data_cfg(builtin=SimpleNamespace(vocab_size=1000)), 8192) == 1000
