@@ -23,8 +23,8 @@ SETTINGS = AdamWSettings(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_cli
 SCHEDULE = WarmupCosine(lr=3e-3, min_lr=3e-4, warmup_steps=4, decay_steps=20)
 
 
-def model_cfg(checkpointing: str = "none"):
-    return get_preset("debug").with_overrides(activation_checkpointing=checkpointing)
+def model_cfg(checkpointing: str = "none", tie: bool = False):
+    return get_preset("debug").with_overrides(activation_checkpointing=checkpointing, tie_embeddings=tie)
 
 
 def micro_batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,10 +33,10 @@ def micro_batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.T
     return t[:, :-1], t[:, 1:]
 
 
-def reference(world: int, steps: int, snapshots: tuple[int, ...]) -> dict:
+def reference(world: int, steps: int, snapshots: tuple[int, ...], tie: bool = False) -> dict:
     """Plain single-process training on the same global batch: torch AdamW + clip_grad_norm_."""
     torch.manual_seed(0)
-    model = build_model(model_cfg(), seed=SEED)
+    model = build_model(model_cfg(tie=tie), seed=SEED)
     opt = torch.optim.AdamW(param_groups(model, SETTINGS.weight_decay), lr=SCHEDULE(0), betas=SETTINGS.betas,
                             eps=SETTINGS.eps, foreach=False)
     losses, norms, params = [], [], {}
@@ -92,7 +92,9 @@ def run_case(rank: int, world: int, topo: Topology, case: dict, ref: dict) -> di
     plan = Plan(blocks, embed_head, name="test")
     opts = EngineOptions(precision=case.get("precision", "fp32"), overlap_spread=case.get("overlap", False),
                          prefetch=case.get("prefetch", True), optim=SETTINGS)
-    eng = AMSPEngine(model_cfg(case.get("ckpt", "none")), plan, topo, rank, seed=SEED, options=opts)
+    eng = AMSPEngine(model_cfg(case.get("ckpt", "none"), case.get("tie", False)), plan, topo, rank, seed=SEED,
+                     options=opts)
+    ref = ref["tied" if case.get("tie") else "untied"]
     where = f"rank {rank} plan {blocks}|{embed_head} {case}"
     mem = eng.resident_bytes()["total"]
     assert mem == expected_resident(eng), f"{where}: resident {mem} != formula {expected_resident(eng)}"

@@ -52,7 +52,7 @@ def test_single_process_init_matches_build_model_and_guard_catches_stale_weights
 @pytest.mark.distributed
 def test_every_plan_4_ranks_as_2_nodes_of_2():
     world, rpn = 4, 2
-    ref = C.reference(world, STEPS, (5, 8, STEPS))
+    ref = {"untied": C.reference(world, STEPS, (5, 8, STEPS)), "tied": C.reference(world, 5, (5,), tie=True)}
     plans = [(d.p, d.g, d.os) for d in enumerate_degrees(world, rpn)]
     cases = [{"blocks": b, "steps": STEPS} for b in plans]
     cases += [{"blocks": b, "steps": STEPS, "overlap": True} for b in plans]
@@ -61,6 +61,9 @@ def test_every_plan_4_ranks_as_2_nodes_of_2():
         {"blocks": (2, 4, 4), "embed_head": (1, 1, 2), "steps": STEPS},
         {"blocks": (1, 2, 4), "embed_head": (4, 4, 4), "steps": 8, "overlap": True, "ckpt": "selective"},
         {"blocks": (2, 2, 4), "steps": 8, "prefetch": False, "ckpt": "full"},
+        # Tied embeddings: the embedding and head share one unit, gathered from embedding to head.
+        {"blocks": (1, 2, 4), "embed_head": (2, 2, 4), "steps": 5, "tie": True, "ckpt": "full"},
+        {"blocks": (4, 4, 4), "steps": 5, "tie": True, "overlap": True},
         # bf16 compute/communication: memory and accounting exact, losses only close.
         {"blocks": (2, 2, 4), "embed_head": (1, 2, 2), "steps": 8, "precision": "bf16", "tol": 3e-2},
     ]
@@ -73,7 +76,7 @@ def test_every_plan_4_ranks_as_2_nodes_of_2():
 @pytest.mark.distributed
 def test_every_plan_8_ranks_as_2_nodes_of_4():
     world, rpn = 8, 4
-    ref = C.reference(world, STEPS, (6, STEPS))
+    ref = {"untied": C.reference(world, STEPS, (6, STEPS))}
     plans = [(d.p, d.g, d.os) for d in enumerate_degrees(world, rpn)]
     cases = [{"blocks": b, "steps": STEPS} for b in plans]
     cases += [
