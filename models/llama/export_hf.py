@@ -1,6 +1,6 @@
 """Export a training checkpoint to a Hugging Face LlamaForCausalLM folder.
 
-    python -m models.llama.export_hf CKPT_DIR OUT_DIR [--dtype float32|bfloat16]
+    python -m models.llama.export_hf CKPT_DIR OUT_DIR [--dtype float32|bfloat16] [--tokenizer SP.model]
 
 CKPT_DIR is a torch.distributed.checkpoint directory (or a run directory / its checkpoints/ folder,
 whose `latest` pointer names one) whose entries `model.<parameter name>` hold
@@ -136,7 +136,9 @@ def load_model_state(ckpt_dir: str | pathlib.Path, cfg: LlamaConfig) -> dict[str
     return {name: buffers[MODEL_PREFIX + name].view(shape) for name, shape in shapes.items()}
 
 
-def export(ckpt_dir: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: str = "float32") -> pathlib.Path:
+def export(ckpt_dir: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: str = "float32",
+           tokenizer: str | pathlib.Path | None = None) -> pathlib.Path:
+    """Write OUT_DIR; `tokenizer` (a sentencepiece .model) overrides the saved data.tokenizer."""
     from safetensors.torch import save_file
 
     if dtype not in DTYPES:
@@ -148,14 +150,15 @@ def export(ckpt_dir: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: str
     hf = {k: v.to(DTYPES[dtype]) for k, v in to_hf_state_dict(state, cfg).items()}
     save_file(hf, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     special: dict[str, int | None] = {"bos": None, "eos": None}
-    tok = (full.get("data") or {}).get("tokenizer")
+    tok = tokenizer or (full.get("data") or {}).get("tokenizer")
     if tok:
         tok_path = pathlib.Path(tok)
         if not tok_path.is_file():
-            raise FileNotFoundError(f"data.tokenizer={tok} from the saved config does not exist")
+            raise FileNotFoundError(f"tokenizer {tok} does not exist")
         special = write_tokenizer(tok_path, out_dir, cfg.max_seq_len)
     else:
-        log.warning("the saved config names no tokenizer (data.tokenizer): exported without one")
+        log.warning("the saved config names no tokenizer (data.tokenizer) and --tokenizer was not given: "
+                    "exported without one")
     hf_cfg = to_hf_config(cfg, dtype, special["bos"], special["eos"])
     (out_dir / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
     log.info("exported %d tensors (%s) to %s", len(hf), dtype, out_dir)
@@ -168,10 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out_dir")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
                     help="weights dtype (float32 keeps the export lossless)")
+    ap.add_argument("--tokenizer", help="sentencepiece .model to ship (default: data.tokenizer of the saved config)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        export(args.ckpt_dir, args.out_dir, args.dtype)
+        export(args.ckpt_dir, args.out_dir, args.dtype, args.tokenizer)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -152,6 +152,12 @@ def test_tokenizer_is_exported_for_llama_tokenizer(tmp_path):
     import_hf(tmp_path / "hf", tmp_path / "back")
     saved = OmegaConf.load(tmp_path / "back" / "config.yaml")
     assert pathlib.Path(saved.data.tokenizer).read_bytes() == (tmp_path / "sp.model").read_bytes()
+    # A checkpoint whose config names no tokenizer takes one from the command line.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    write_checkpoint(bare, cfg, seed=1)
+    export(bare, tmp_path / "hf3", tokenizer=tmp_path / "sp.model")
+    assert (tmp_path / "hf3" / "tokenizer.model").read_bytes() == (tmp_path / "sp.model").read_bytes()
 
 
 def test_bad_inputs_are_named(tmp_path):
