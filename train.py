@@ -27,6 +27,7 @@ from amsp.metrics.plot import plot_run
 from amsp.metrics.wandb_logger import WandbLogger
 from amsp.build import engine_from_config, plan_from_config, topology_from
 from amsp.optim import WarmupCosine
+from amsp.planner import plan_for_run
 from amsp.resilience import Heartbeat, NaNInjector, PreemptionHandler, SkipGuard, TooManySkippedSteps, die_now
 from amsp.train_state import load_training_state, save_training_state
 from configs.schema import register_configs, to_llama_config
@@ -121,8 +122,14 @@ def main(cfg: DictConfig) -> None:
         raise ValueError(f"data.seq_len={seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}")
     gbs, accum = batch_geometry(cfg, denv.world_size)
     mbs = cfg.trainer.micro_batch_size
-    # The sharding plan is checked before anything is built: a broken rule is named right away.
-    plan = plan_from_config(cfg.amsp, topology_from(cfg.amsp, denv))
+    # The sharding plan is chosen (amsp.plan=auto: the partitioner, amsp/planner; probe, ILP, table in
+    # RUN_DIR/plan.txt) or checked before anything is built: a broken rule is named right away.
+    planned = None
+    if cfg.amsp.plan == "auto" and cfg.amsp.p is None:
+        planned = plan_for_run(cfg, denv, device, run_dir if denv.is_main else None)
+        plan = planned.plan
+    else:
+        plan = plan_from_config(cfg.amsp, topology_from(cfg.amsp, denv))
     # Data first: every problem with files or the tokenizer surfaces before model state exists.
     data = build_data(cfg.data, seq_len=seq_len, seed=cfg.trainer.seed if cfg.data.seed is None else cfg.data.seed,
                       train_samples=cfg.trainer.max_steps * gbs, model_vocab_size=model_cfg.vocab_size)
@@ -157,6 +164,8 @@ def main(cfg: DictConfig) -> None:
 
     tokens_per_step = gbs * seq_len
     wandb_run = make_wandb(cfg, run_dir, denv.rank, resume_id=wandb_id)
+    if planned is not None:
+        wandb_run.log_table("planner/plans", planned.columns, planned.rows)
     metrics = make_metrics(cfg, denv, run_dir, device, dtype, tokens_per_step, fpt, wandb_run)
     timer = StepTimer(sync=torch.cuda.synchronize if device.type == "cuda" else None)
     preemption, heartbeat = PreemptionHandler(), Heartbeat(denv.rank, denv.world_size)

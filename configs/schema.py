@@ -106,10 +106,28 @@ class LoggingConfig:
 
 
 @dataclass
+class PlannerConfig:
+    """The partitioner's knobs (amsp/planner): used when amsp.plan=auto and by python -m amsp.planner.
+    Whether the parameter spread overlaps the next forward is amsp.overlap_spread (the engine's)."""
+    probe: bool = True  # measure collective bandwidths on the real ranks at startup (else the preset)
+    probe_cache: bool = True  # reuse a probe cached for the same cluster shape
+    cache_dir: Optional[str] = None  # None: $AMSP_CACHE_DIR/probe (default ~/.cache/amsp/probe)
+    mfu: float = 0.45  # assumed hardware FLOP utilisation of the compute (recomputation counted)
+    memory_margin: float = 0.08  # fraction of device memory kept free (allocator fragmentation)
+    reserved_gib: float = 1.0  # runtime context, workspaces, kernels
+    tp: int = 1  # fixed tensor-parallel degree (model parallelism plugs in later)
+    pp: int = 1  # fixed pipeline-parallel degree
+    overlap_slowdown: float = 0.1  # compute seconds lost per second of communication hidden behind it
+    top_k: int = 10  # alternatives shown in the table
+    time_limit_s: float = 20.0  # CBC wall-clock limit
+
+
+@dataclass
 class AMSPConfig:
     """The data-parallel layer (amsp/). `plan` is a preset name (ddp, zero1, zero2, zero3, hsdp) or
-    "custom" with explicit degrees; giving p/g/os with a preset name is an error (ambiguous)."""
-    plan: str = "ddp"
+    "custom" with explicit degrees; giving p/g/os with a preset name is an error (ambiguous).
+    The default, "auto", lets the partitioner (amsp/planner, knobs in `planner`) choose at startup."""
+    plan: str = "auto"
     p: Optional[int] = None  # explicit shard degrees for the transformer blocks (all three together)
     g: Optional[int] = None
     os: Optional[int] = None
@@ -120,6 +138,7 @@ class AMSPConfig:
     precision: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | fp32 | bf16: compute weights + communication
     overlap_spread: bool = False  # overlap the parameter spread with the next step's forward
     prefetch: bool = True  # prefetch the next unit's parameter all-gather
+    planner: PlannerConfig = field(default_factory=PlannerConfig)  # used when plan=auto
 
 
 @dataclass
@@ -142,23 +161,6 @@ class ClusterConfig:
     intra_bandwidth_gbs: float = 2.0
     inter_latency_us: float = 50.0
     inter_bandwidth_gbs: float = 2.0
-
-
-@dataclass
-class PlannerConfig:
-    """The partitioner's knobs (amsp/planner): used when amsp.plan=auto and by python -m amsp.planner."""
-    probe: bool = True  # measure collective bandwidths on the real ranks at startup (else the preset)
-    probe_cache: bool = True  # reuse a probe cached for the same cluster shape
-    cache_dir: Optional[str] = None  # None: $AMSP_CACHE_DIR/probe (default ~/.cache/amsp/probe)
-    mfu: float = 0.45  # assumed hardware FLOP utilisation of the compute (recomputation counted)
-    memory_margin: float = 0.08  # fraction of device memory kept free (allocator fragmentation)
-    reserved_gib: float = 1.0  # runtime context, workspaces, kernels
-    tp: int = 1  # fixed tensor-parallel degree (model parallelism plugs in later)
-    pp: int = 1  # fixed pipeline-parallel degree
-    overlap_spread: bool = True  # the parameter spread may overlap the next forward
-    overlap_slowdown: float = 0.1  # compute seconds lost per second of communication hidden behind it
-    top_k: int = 10  # alternatives shown in the table
-    time_limit_s: float = 20.0  # CBC wall-clock limit
 
 
 @dataclass

@@ -25,8 +25,9 @@ def planner_config(cfg: DictConfig) -> DictConfig:
 
 def options_from_config(cfg: DictConfig) -> Options:
     p = planner_config(cfg)
+    spread = OmegaConf.select(cfg, "amsp.overlap_spread")  # the engine's switch
     return Options(mfu=p.mfu, memory_margin=p.memory_margin, reserved_bytes=int(p.reserved_gib * 2**30),
-                   overlap_spread=p.overlap_spread, overlap_slowdown=p.overlap_slowdown)
+                   overlap_spread=bool(spread), overlap_slowdown=p.overlap_slowdown)
 
 
 def global_batch_samples(cfg: DictConfig) -> int:
@@ -49,7 +50,12 @@ def micro_batches(cfg: DictConfig, dp_world: int) -> int:
 
 
 def precision_name(cfg: DictConfig, cluster: ClusterSpec) -> str:
-    return cfg.trainer.dtype if cfg.trainer.dtype != "auto" else cluster.dtype
+    """As amsp/build.py resolves it: amsp.precision, else trainer.dtype, else the cluster's dtype
+    (bf16 on the GPU presets, fp32 on cpu: what the engine picks on those devices)."""
+    a, t = OmegaConf.select(cfg, "amsp.precision") or "auto", cfg.trainer.dtype
+    if a != "auto" and t != "auto" and a != t:
+        raise ValueError(f"amsp.precision={a} contradicts trainer.dtype={t}; set one of them")
+    return a if a != "auto" else t if t != "auto" else cluster.dtype
 
 
 def workload_from_config(cfg: DictConfig, cluster: ClusterSpec) -> Workload:
@@ -73,31 +79,51 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def resolve_measured_fields(c: DictConfig, local_ranks: int, dtype_name: str) -> DictConfig:
-    """Fill what the cpu preset leaves to measurement: device memory (host RAM shared by the local
-    ranks) and peak FLOP/s (this machine's matmul rate in the compute dtype, cached by the metrics
-    package). Values given in the config win; each filled value is logged once."""
+def resolve_measured_fields(c: DictConfig, local_ranks: int, dtype_name: str, device=None) -> DictConfig:
+    """Fill what the cpu preset leaves to measurement: device memory and peak FLOP/s. On CPU the
+    memory is the host RAM shared by the local ranks and the peak this machine's matmul rate in the
+    compute dtype (cached by the metrics package); on a CUDA device, its memory and datasheet peak.
+    Values given in the config win; each filled value is logged once."""
+    import torch
+
     c = OmegaConf.create(OmegaConf.to_container(c, resolve=True))
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    cuda = device is not None and torch.device(device).type == "cuda"
     if c.device_memory_gib is None:
-        c.device_memory_gib = host_memory_bytes() / local_ranks / 2**30
-        log.info("cluster %s: device memory = host RAM / %d local ranks = %.1f GiB", c.name, local_ranks,
-                 c.device_memory_gib)
+        if cuda:
+            c.device_memory_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+            where = f"the memory of {torch.cuda.get_device_name(device)}"
+        else:
+            c.device_memory_gib = host_memory_bytes() / local_ranks / 2**30
+            where = f"host RAM / {local_ranks} local ranks"
+        log.info("cluster %s: device memory = %s = %.1f GiB", c.name, where, c.device_memory_gib)
     if c.peak_tflops is None:
-        import torch
+        from amsp.metrics.peak import cpu_measured_peak, cuda_table_peak
 
-        from amsp.metrics.peak import cpu_measured_peak
-
-        peak = cpu_measured_peak({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name])
-        c.peak_tflops = peak.flops / 1e12
-        log.info("cluster %s: peak %.3f TFLOP/s per rank (%s)", c.name, c.peak_tflops, peak.source)
+        if cuda:
+            name = torch.cuda.get_device_name(device)
+            flops = cuda_table_peak(name, dtype)
+            if flops is None:
+                raise ValueError(f"cluster {c.name}: no datasheet peak for {name} in {dtype_name}; give "
+                                 f"cluster.peak_tflops=... or pick a GPU preset (cluster=a100x8|a800x8|h100x8)")
+            c.peak_tflops, source = flops / 1e12, f"datasheet peak of {name}"
+        else:
+            peak = cpu_measured_peak(dtype)
+            c.peak_tflops, source = peak.flops / 1e12, peak.source
+        log.info("cluster %s: peak %.4g TFLOP/s per rank (%s)", c.name, c.peak_tflops, source)
     return c
 
 
 def cluster_spec(cfg: DictConfig, nodes: int | None = None, ranks_per_node: int | None = None,
-                 local_ranks: int | None = None) -> ClusterSpec:
+                 local_ranks: int | None = None, device=None) -> ClusterSpec:
     """The ClusterSpec for this config; nodes / ranks_per_node from the launcher when given."""
     c = cfg.cluster
     if c.device_memory_gib is None or c.peak_tflops is None:
-        dtype = cfg.trainer.dtype if cfg.trainer.dtype != "auto" else c.dtype
-        c = resolve_measured_fields(c, local_ranks or ranks_per_node or c.ranks_per_node, dtype)
+        import torch
+
+        a, t = OmegaConf.select(cfg, "amsp.precision") or "auto", cfg.trainer.dtype
+        cuda = device is not None and torch.device(device).type == "cuda"
+        dtype = a if a != "auto" else t if t != "auto" else "bf16" if cuda else c.dtype
+        c = resolve_measured_fields(c, local_ranks or ranks_per_node or c.ranks_per_node, dtype, device)
+        c.dtype = "bf16" if cuda else c.dtype  # what the engine's auto precision picks on this device
     return cluster_from_config(c, nodes=nodes, ranks_per_node=ranks_per_node)

@@ -59,7 +59,8 @@ def plan_for_run(cfg: DictConfig, denv, device: torch.device | str = "cpu",
     error = None
     if denv.rank == 0:  # only rank 0 measures the CPU peak (if needed) and solves
         try:
-            cluster = cluster_spec(cfg, nodes=topo.nodes, ranks_per_node=r, local_ranks=denv.local_world_size)
+            cluster = cluster_spec(cfg, nodes=topo.nodes, ranks_per_node=r, local_ranks=denv.local_world_size,
+                                   device=device)
             if points is not None:
                 cluster = apply_points(cluster, *points)
             else:

@@ -11,18 +11,13 @@ pytestmark = pytest.mark.distributed
 
 
 def _startup(rank: int, world: int, tmp: str) -> dict:
-    from omegaconf import OmegaConf, open_dict
-
     from amsp.launch import DistEnv
     from amsp.planner.__main__ import compose_config
     from amsp.planner.startup import plan_for_run
-    from configs.schema import PlannerConfig
 
     cfg = compose_config(["model=debug", "trainer.micro_batch_size=2", "trainer.global_batch_size=16",
-                          "cluster.peak_tflops=0.05"])
-    with open_dict(cfg.amsp):
-        cfg.amsp.ranks_per_node = 2
-        cfg.amsp.planner = OmegaConf.structured(PlannerConfig(probe=True, cache_dir=tmp, top_k=3))
+                          "cluster.peak_tflops=0.05", "amsp.ranks_per_node=2", "amsp.planner.probe=true",
+                          f"amsp.planner.cache_dir={tmp}", "amsp.planner.top_k=3"])
     denv = DistEnv(rank, world, rank, world, "test")
     first = plan_for_run(cfg, denv, run_dir=pathlib.Path(tmp) / "run")
     second = plan_for_run(cfg, denv)  # same shape: served from the cache
