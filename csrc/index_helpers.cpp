@@ -38,12 +38,13 @@ inline uint64_t splitmix64_inverse(uint64_t z) {
   return z - kGolden;
 }
 
-// Sorts m uniformly distributed keys whose top `consumed` bits are equal: one more counting pass on
-// the next bits (about one key per slot), then each tiny slot is sorted. O(m) expected, in cache.
-inline void sort_uniform_keys(uint64_t* a, int64_t m, int consumed, std::vector<uint64_t>& tmp,
-                              std::vector<int64_t>& cnt) {
+// Sorts m uniformly distributed keys whose top `consumed` bits are equal into dst: one more
+// counting pass on the next bits (about one key per slot), then an insertion pass that only moves
+// keys within their slot. O(m) expected, all in cache.
+inline void sort_uniform_keys(const uint64_t* a, uint64_t* dst, int64_t m, int consumed, std::vector<int64_t>& cnt) {
   if (m <= 32 || consumed >= 48) {
-    std::sort(a, a + m);
+    std::copy(a, a + m, dst);
+    std::sort(dst, dst + m);
     return;
   }
   int sb = 1;
@@ -53,16 +54,17 @@ inline void sort_uniform_keys(uint64_t* a, int64_t m, int consumed, std::vector<
   cnt.assign(slots + 1, 0);
   for (int64_t j = 0; j < m; ++j) ++cnt[slot_of(a[j]) + 1];
   for (int64_t s = 0; s < slots; ++s) cnt[s + 1] += cnt[s];
-  tmp.resize(m);
-  for (int64_t j = 0; j < m; ++j) tmp[cnt[slot_of(a[j])]++] = a[j];
-  // cnt[s] is now the end of slot s; sort each slot (usually 0-3 keys) back into a.
-  int64_t begin = 0;
-  for (int64_t s = 0; s < slots; ++s) {
-    const int64_t end = cnt[s];
-    if (end - begin > 1) std::sort(tmp.begin() + begin, tmp.begin() + end);
-    begin = end;
+  for (int64_t j = 0; j < m; ++j) dst[cnt[slot_of(a[j])]++] = a[j];
+  for (int64_t j = 1; j < m; ++j) {  // keys of different slots are already in order
+    const uint64_t v = dst[j];
+    if (dst[j - 1] <= v) continue;  // the common case stores nothing, so iterations do not chain
+    int64_t k = j;
+    do {
+      dst[k] = dst[k - 1];
+      --k;
+    } while (k > 0 && dst[k - 1] > v);
+    dst[k] = v;
   }
-  std::copy(tmp.begin(), tmp.end(), a);
 }
 
 // Stable argsort of key(seed, stream, i) = splitmix64(base ^ i), written into out[0..n).
@@ -115,12 +117,13 @@ void permutation_into(int64_t n, uint64_t seed, uint64_t stream, out_t* out) {
     }
   });
   at::parallel_for(0, n_buckets, 16, [&](int64_t kb, int64_t ke) {
-    std::vector<uint64_t> tmp;
+    std::vector<uint64_t> sorted;
     std::vector<int64_t> cnt;
     for (int64_t k = kb; k < ke; ++k) {
       const int64_t lo = bucket_start[k], m = bucket_start[k + 1] - lo;
-      sort_uniform_keys(keys.data() + lo, m, bits, tmp, cnt);
-      for (int64_t j = 0; j < m; ++j) out[lo + j] = static_cast<out_t>(splitmix64_inverse(keys[lo + j]) ^ base);
+      sorted.resize(m);
+      sort_uniform_keys(keys.data() + lo, sorted.data(), m, bits, cnt);
+      for (int64_t j = 0; j < m; ++j) out[lo + j] = static_cast<out_t>(splitmix64_inverse(sorted[j]) ^ base);
     }
   });
 }
@@ -146,22 +149,23 @@ at::Tensor build_doc_index(int64_t num_docs, int64_t num_epochs, int64_t seed) {
 }
 
 // Row i = (first row of doc_index whose cumulative end exceeds i * seq_len, offset in that document).
-at::Tensor build_sample_index(const at::Tensor& doc_lengths_in, const at::Tensor& doc_index_in, int64_t seq_len,
-                              int64_t num_samples) {
-  TORCH_CHECK_VALUE(seq_len >= 1 && num_samples >= 0, "build_sample_index: seq_len=", seq_len,
-                    " must be >= 1 and num_samples=", num_samples, " >= 0");
-  auto doc_lengths = doc_lengths_in.to(at::kLong).contiguous();
-  auto doc_index = doc_index_in.to(at::kLong).contiguous();
-  const int64_t n_docs = doc_lengths.numel(), n_rows = doc_index.numel();
-  const int64_t* lp = doc_lengths.const_data_ptr<int64_t>();
-  const int64_t* dp = doc_index.const_data_ptr<int64_t>();
+template <typename len_t, typename idx_t>
+at::Tensor sample_index_impl(const len_t* lp, int64_t n_docs, const idx_t* dp, int64_t n_rows, int64_t seq_len,
+                             int64_t num_samples) {
+  // ends[r] = tokens in rows 0..r; the only random access is the gather of lengths by doc_index.
   std::vector<int64_t> ends(n_rows);
   int64_t total = 0;
+  constexpr int64_t kAhead = 32;  // prefetch distance: the gather is latency-bound without it
   for (int64_t r = 0; r < n_rows; ++r) {
-    int64_t d = dp[r];
+    if (r + kAhead < n_rows) {
+      const int64_t ahead = static_cast<int64_t>(dp[r + kAhead]);
+      if (ahead >= 0 && ahead < n_docs) __builtin_prefetch(lp + ahead);
+    }
+    int64_t d = static_cast<int64_t>(dp[r]);
     if (d < 0) d += n_docs;  // numpy's negative indexing
-    TORCH_CHECK_INDEX(d >= 0 && d < n_docs, "index ", dp[r], " is out of bounds for axis 0 with size ", n_docs);
-    total += lp[d];
+    TORCH_CHECK_INDEX(d >= 0 && d < n_docs, "index ", static_cast<int64_t>(dp[r]),
+                      " is out of bounds for axis 0 with size ", n_docs);
+    total += static_cast<int64_t>(lp[d]);
     ends[r] = total;
   }
   TORCH_CHECK_VALUE(num_samples * seq_len < total, "build_sample_index: ", num_samples, " samples of ", seq_len,
@@ -174,12 +178,31 @@ at::Tensor build_sample_index(const at::Tensor& doc_lengths_in, const at::Tensor
     int64_t r = std::upper_bound(ends.begin(), ends.end(), pos) - ends.begin();
     for (int64_t i = begin; i < end; ++i, pos += seq_len) {
       while (ends[r] <= pos) ++r;
-      const int64_t d = dp[r] < 0 ? dp[r] + n_docs : dp[r];
       op[2 * i] = r;
-      op[2 * i + 1] = pos - (ends[r] - lp[d]);
+      op[2 * i + 1] = pos - (r == 0 ? 0 : ends[r - 1]);  // the row's start
     }
   });
   return out;
+}
+
+at::Tensor build_sample_index(const at::Tensor& doc_lengths_in, const at::Tensor& doc_index_in, int64_t seq_len,
+                              int64_t num_samples) {
+  TORCH_CHECK_VALUE(seq_len >= 1 && num_samples >= 0, "build_sample_index: seq_len=", seq_len,
+                    " must be >= 1 and num_samples=", num_samples, " >= 0");
+  // int32 and int64 are read as they are (no widened copies of million-entry tables).
+  auto lengths = doc_lengths_in.scalar_type() == at::kInt ? doc_lengths_in.contiguous()
+                                                            : doc_lengths_in.to(at::kLong).contiguous();
+  auto index = doc_index_in.scalar_type() == at::kInt ? doc_index_in.contiguous()
+                                                       : doc_index_in.to(at::kLong).contiguous();
+  const int64_t n_docs = lengths.numel(), n_rows = index.numel();
+  auto with_index = [&](auto lp) {
+    if (index.scalar_type() == at::kInt) {
+      return sample_index_impl(lp, n_docs, index.const_data_ptr<int32_t>(), n_rows, seq_len, num_samples);
+    }
+    return sample_index_impl(lp, n_docs, index.const_data_ptr<int64_t>(), n_rows, seq_len, num_samples);
+  };
+  if (lengths.scalar_type() == at::kInt) return with_index(lengths.const_data_ptr<int32_t>());
+  return with_index(lengths.const_data_ptr<int64_t>());
 }
 
 // Greedy blending over normalised weights (normalisation stays in numpy so the sum matches).

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 CSRC_DIR = Path(__file__).resolve().parent
 EXTENSION_NAME = "amsp_csrc_cpu"
 CPU_SOURCES = ("fused_cpu.cpp", "index_helpers.cpp")
+CUDA_EXTENSION_NAME = "amsp_csrc_cuda"
+CUDA_SOURCES = ("fused_cuda.cu",)  # CUDA kernels for the ops fused_cpu.cpp defines
+CUDA_FLAGS = ["-O3", "--use_fast_math"]
 DISABLE_ENV = "AMSP_CSRC_DISABLE"  # set to 1 to skip building (e.g. to time the references)
 CACHE_ENV = "AMSP_CSRC_CACHE"
 
@@ -81,8 +84,9 @@ def build_and_load(name: str, sources: list[Path], verbose: bool = False) -> str
 
     if shutil.which("ninja") is None and not (Path(os.sys.executable).parent / "ninja").exists():
         raise RuntimeError("ninja is not installed (pip install ninja)")
+    cuda = any(s.suffix == ".cu" for s in sources)
     flags = _cpu_flags()
-    build_dir = cache_root() / f"{name}-{build_key(sources, flags)}"
+    build_dir = cache_root() / f"{name}-{build_key(sources, flags + (CUDA_FLAGS if cuda else []))}"
     build_dir.mkdir(parents=True, exist_ok=True)
     # cpp_extension finds ninja on PATH; the virtualenv's bin may not be on it when python is
     # called by its full path.
@@ -90,6 +94,7 @@ def build_and_load(name: str, sources: list[Path], verbose: bool = False) -> str
     if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     load(name=name, sources=[str(s) for s in sources], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+         extra_cuda_cflags=CUDA_FLAGS if cuda else None, with_cuda=cuda,
          build_directory=str(build_dir), is_python_module=False, verbose=verbose)
     return str(build_dir / f"{name}.so")
 
@@ -124,6 +129,33 @@ class NativeExtension:
 
 
 CPU_EXTENSION = NativeExtension(EXTENSION_NAME, [CSRC_DIR / s for s in CPU_SOURCES])
+CUDA_EXTENSION = NativeExtension(CUDA_EXTENSION_NAME, [CSRC_DIR / s for s in CUDA_SOURCES])
+
+
+def cuda_build_possible() -> str | None:
+    """None when the CUDA kernels can be built here, else why not (CPU machines: always a reason)."""
+    if torch.version.cuda is None:
+        return "torch is a CPU build"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is None:
+        return "nvcc / CUDA_HOME not found"
+    return None
+
+
+def load_cuda_extension() -> str | None:
+    """The CUDA kernels' library (after the CPU one, which defines the ops), or None with a logged reason."""
+    if load_extension() is None:
+        return None
+    why = cuda_build_possible()
+    if why is not None:
+        if CUDA_EXTENSION.error is None:
+            CUDA_EXTENSION.error = why
+            log.info("csrc: CUDA kernels not built (%s)", why)
+        return None
+    return CUDA_EXTENSION.load()
 
 
 def load_extension() -> str | None:

@@ -62,11 +62,10 @@ def build_sample_index(doc_lengths: np.ndarray, doc_index: np.ndarray, seq_len: 
                        num_samples: int) -> np.ndarray:
     if seq_len < 1 or num_samples < 0:
         raise ValueError(f"build_sample_index: seq_len={seq_len} must be >= 1 and num_samples={num_samples} >= 0")
-    lengths = torch.from_numpy(np.ascontiguousarray(doc_lengths, dtype=np.int64))
-    index = np.asarray(doc_index)
-    if index.dtype not in (np.int32, np.int64):
-        index = index.astype(np.int64)
-    return torch.ops.amsp_index.build_sample_index(lengths, torch.from_numpy(np.ascontiguousarray(index)),
+    # int32 and int64 tables go to C++ as they are; anything else is widened like the reference does.
+    lengths, index = (np.ascontiguousarray(a if np.asarray(a).dtype in (np.int32, np.int64) else
+                                           np.asarray(a, dtype=np.int64)) for a in (doc_lengths, doc_index))
+    return torch.ops.amsp_index.build_sample_index(torch.from_numpy(lengths), torch.from_numpy(index),
                                                    seq_len, num_samples).numpy()
 
 

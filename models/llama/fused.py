@@ -136,6 +136,10 @@ def load_ops() -> str | None:
         if not _registered:
             _register()
             _registered = True
+    if torch.cuda.is_available():
+        from csrc.loader import load_cuda_extension
+
+        load_cuda_extension()  # adds CUDA kernels to the same ops where nvcc and CUDA torch exist
     return lib
 
 
@@ -165,9 +169,16 @@ def resolve_fused(requested: str) -> frozenset[str]:
 
 
 def _native_ok(op: str, *tensors: torch.Tensor) -> bool:
-    # Only CPU kernels exist in this build; a CUDA tensor takes the reference, said once per op.
-    if all(t.device.type in ("cpu", "meta") for t in tensors):
+    # CPU kernels always exist once loaded; CUDA ones only where csrc/fused_cuda.cu was built. A
+    # tensor on a device without kernels takes the reference, said once per op.
+    devices = {t.device.type for t in tensors}
+    if devices <= {"cpu", "meta"}:
         return True
+    if devices <= {"cuda", "meta"}:
+        from csrc.loader import CUDA_EXTENSION
+
+        if CUDA_EXTENSION.lib is not None:
+            return True
     _log_once("fused %s: no kernel for device %s in this build; using the eager reference", op,
               tensors[0].device.type)
     return False
