@@ -99,6 +99,13 @@ def cpu_measured_peak(dtype: torch.dtype = torch.float32, cache_dir: pathlib.Pat
     if key in cache:
         return Peak(float(cache[key]), f"measured matmul peak (cached in {path}, key {key!r})")
     flops = measure_matmul_flops(dtype)
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > cores + 1:
+        # Other processes took cycles from the measurement: use it for this run, but do not make
+        # every later run inherit a low peak (and so an inflated MFU).
+        log.warning("load average %.1f on %d cores: the measured peak %.1f GFLOP/s is likely low; not caching it",
+                    load, cores, flops / 1e9)
+        return Peak(flops, f"measured matmul peak ({key!r}) on a busy machine, not cached")
     cache[key] = flops
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,12 @@ def test_cpu_peak_is_measured_once_then_read_from_cache(tmp_path, monkeypatch):
         return real(dtype, sizes=sizes, min_time_s=min_time_s)
 
     monkeypatch.setattr(peak_mod, "measure_matmul_flops", counting)
+    # On a busy machine the measurement is used but not cached.
+    monkeypatch.setattr(peak_mod.os, "getloadavg", lambda: (1000.0, 0.0, 0.0))
+    busy = resolve_peak(torch.device("cpu"), torch.float32, cache_dir=tmp_path)
+    assert "not cached" in busy.source and not (tmp_path / "cpu_matmul_peak.json").exists()
+    calls.clear()
+    monkeypatch.setattr(peak_mod.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     first = resolve_peak(torch.device("cpu"), torch.float32, cache_dir=tmp_path)
     # A real sgemm on any machine this runs on is between 1 GFLOP/s and 100 TFLOP/s.
     assert 1e9 < first.flops < 1e14, first

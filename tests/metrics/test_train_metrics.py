@@ -26,8 +26,6 @@ def test_train_writes_metrics_wandb_offline_and_plot(tmp_path):
         assert rec["step_time_s"] >= rec["time_forward_backward_s"] + rec["time_optimizer_s"]
         assert rec["slowest_rank"] == 0 and rec["skipped_steps"] == 0
     assert "measured matmul peak" in r.stdout and "ETA 0:00:00" in r.stdout
-    # The peak was measured once and cached where AMSP_CACHE_DIR points.
-    assert (tmp_path / "cache" / "cpu_matmul_peak.json").exists()
     offline = [p for p in (run / "wandb").iterdir() if p.name.startswith("offline-run-")]
     assert len(offline) == 1
     assert (run / "metrics.png").read_bytes()[:4] == b"\x89PNG"
