@@ -183,9 +183,27 @@ stop_daemons() {
     stop_one munged "$MUNGE_DIR/munged.pid" "${1:-}"
 }
 
+# Jobs still queued or running are cancelled first and waited for: a job's slurmstepd and its
+# processes do not belong to slurmd, so stopping the daemons alone would leave them running.
+cancel_jobs() {
+    local jobs i
+    live_pid "$DIR/slurmctld.pid" >/dev/null || return 0
+    jobs=$(SLURM_CONF=$CONF squeue -h -o %A 2>/dev/null | tr '\n' ' ')
+    [[ -n ${jobs// /} ]] || return 0
+    say "cancelling jobs: $jobs"
+    # shellcheck disable=SC2086  # one argument per job id
+    SLURM_CONF=$CONF scancel $jobs || true
+    for ((i = 0; i < 90; i++)); do
+        [[ -z $(SLURM_CONF=$CONF squeue -h -o %A 2>/dev/null) ]] && return 0
+        sleep 1
+    done
+    echo "local_cluster.sh: jobs still listed after 90s: $(SLURM_CONF=$CONF squeue -h 2>&1)" >&2
+}
+
 stop() {
     need_root
     if [[ -d $DIR ]]; then
+        cancel_jobs
         stop_daemons
     fi
     say "stopped (state kept in $DIR until the next start)"

@@ -17,8 +17,10 @@ import pytest
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
 
 # The debug model with a vocabulary that holds the built-in corpus tokenizer (8000 pieces).
+# No plot and no validation pass: seconds per job that these tests do not look at.
 TINY = ["model=debug", "model.vocab_size=8192", "data.seq_len=64", "trainer.log_interval=1",
-        "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "logging.wandb.mode=disabled"]
+        "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "logging.wandb.mode=disabled",
+        "logging.plot=false", "trainer.val_samples=0"]
 CPU_TORCHRUN = {"NPROC_PER_NODE": "2"}
 CPU_SBATCH = ["--nodes=1", "--gpus-per-node=0"]
 
