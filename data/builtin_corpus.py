@@ -5,8 +5,8 @@ docstrings and comments mixed with code. prepare_builtin() turns it, once per ma
     .cache/builtin/<key>/corpus.jsonl      the documents, read back through the normal pipeline
     .cache/builtin/<key>/tok<V>.model      a sentencepiece BPE tokenizer trained on them
     .cache/builtin/<key>/tok<V>.bin/.idx   the tokenized Megatron dataset
-where <key> hashes the file list, the size limit and the vocabulary size, so a different Python, a
-different limit or a different vocabulary gets its own entry. Each step is skipped when its output
+where <key> hashes the file list and the size limit, so a different Python or a different limit gets
+its own entry, and each vocabulary size its own tokenizer and tokens next to the shared corpus. Each step is skipped when its output
 already exists; a lock makes concurrent ranks wait for the first one instead of repeating the work.
 """
 from __future__ import annotations
@@ -78,7 +78,8 @@ def _write_corpus(files: list[pathlib.Path], jsonl: pathlib.Path, txt: pathlib.P
 
 def prepare_builtin(cache_root: pathlib.Path, max_bytes: int, vocab_size: int, workers: int = 2) -> BuiltinCorpus:
     files = stdlib_files(max_bytes)
-    key = cache_key({"v": _VERSION, "python": sys.version, "max_bytes": max_bytes, "vocab": vocab_size,
+    # The corpus is shared by every vocabulary size; the tokenizer and tokens are named by it.
+    key = cache_key({"v": _VERSION, "python": sys.version, "max_bytes": max_bytes,
                      "files": [(str(p), p.stat().st_size) for p in files]})
     d = cache_root / "builtin" / key
     d.mkdir(parents=True, exist_ok=True)
