@@ -182,6 +182,7 @@ at::Tensor sample_index_impl(const len_t* lp, int64_t n_docs, const idx_t* dp, i
       op[2 * i + 1] = pos - (r == 0 ? 0 : ends[r - 1]);  // the row's start
     }
   });
+  op[0] = op[1] = 0;  // Megatron starts at (0, 0) even when the first document is empty (same tokens)
   return out;
 }
 

@@ -28,6 +28,25 @@ _MUL1 = np.uint64(0xBF58476D1CE4E5B9)
 _MUL2 = np.uint64(0x94D049BB133111EB)
 
 
+_NATIVE: list = []  # [module or None], resolved on first use
+
+
+def _native():
+    """The bit-identical C++ builders (csrc/ through data/native_index.py), or None to use the numpy
+    references below. Built on first use, decided once and logged once; tests that need the
+    references themselves monkeypatch this function to return None."""
+    if not _NATIVE:
+        import logging
+
+        from . import native_index
+
+        _NATIVE.append(native_index.native())
+        logging.getLogger(__name__).info(
+            "index builders: %s", "native C++ (csrc/index_helpers.cpp)" if _NATIVE[0] is not None
+            else f"numpy reference (native extension unavailable: {native_index.unavailable_reason()})")
+    return _NATIVE[0]
+
+
 def splitmix64(x: np.ndarray) -> np.ndarray:
     """splitmix64 finaliser on a uint64 array (wrapping arithmetic)."""
     x = np.asarray(x, dtype=np.uint64)
@@ -53,11 +72,15 @@ def _permutation(n: int, seed: int, stream: int) -> np.ndarray:
 
 def shuffle_order(n: int, seed: int, epoch: int) -> np.ndarray:
     """A permutation of range(n) (int64) determined by (seed, epoch)."""
+    if (native := _native()) is not None:
+        return native.shuffle_order(n, seed, epoch)
     return _permutation(n, seed, epoch)
 
 
 def build_doc_index(num_docs: int, num_epochs: int, seed: int) -> np.ndarray:
     """Documents in visiting order: one independent shuffle per epoch, concatenated (int32)."""
+    if (native := _native()) is not None:
+        return native.build_doc_index(num_docs, num_epochs, seed)
     if num_docs >= 2**31:
         raise ValueError(f"build_doc_index: {num_docs} documents do not fit int32 document ids")
     if num_epochs < 1:
@@ -75,6 +98,8 @@ def build_sample_index(doc_lengths: np.ndarray, doc_index: np.ndarray, seq_len: 
     and a position p belongs to the first document whose end lies beyond p (empty documents are
     skipped), except that row 0 is always (0, 0). This is exactly what Megatron's sequential build_sample_idx loop produces.
     """
+    if (native := _native()) is not None:
+        return native.build_sample_index(doc_lengths, doc_index, seq_len, num_samples)
     if seq_len < 1 or num_samples < 0:
         raise ValueError(f"build_sample_index: seq_len={seq_len} must be >= 1 and num_samples={num_samples} >= 0")
     lengths = np.asarray(doc_lengths, dtype=np.int64)[np.asarray(doc_index, dtype=np.int64)]
@@ -94,6 +119,8 @@ def build_sample_index(doc_lengths: np.ndarray, doc_index: np.ndarray, seq_len: 
 
 def build_shuffle_index(num_samples: int, seed: int) -> np.ndarray:
     """Permutation of range(num_samples) (int64) giving the global sample order."""
+    if (native := _native()) is not None:
+        return native.build_shuffle_index(num_samples, seed)
     return _permutation(num_samples, seed, SAMPLE_STREAM)
 
 
@@ -104,6 +131,8 @@ def build_blending_index(weights: np.ndarray, size: int) -> tuple[np.ndarray, np
     weights[d] * max(i, 1) - count[d] is chosen (the lowest d on ties), in IEEE double arithmetic.
     Returns (dataset_index int16, dataset_sample_index int64).
     """
+    if (native := _native()) is not None:
+        return native.build_blending_index(weights, size)
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim != 1 or len(w) == 0 or len(w) > 32767 or not np.all(np.isfinite(w)) or np.any(w <= 0):
         raise ValueError(f"build_blending_index: weights must be a non-empty vector of finite positive "

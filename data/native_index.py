@@ -38,6 +38,12 @@ def native():
     return sys.modules[__name__] if _loaded else None
 
 
+def unavailable_reason() -> str | None:
+    from csrc.loader import unavailable_reason as why
+
+    return why()
+
+
 def _permutation(n: int, seed: int, stream: int) -> np.ndarray:
     if n < 0:
         raise ValueError(f"permutation size must be >= 0, got {n}")
