@@ -113,6 +113,9 @@ def run_case(rank: int, world: int, topo: Topology, case: dict, ref: dict) -> di
         worst = max(worst, rel(res.grad_norm, ref["norms"][step]))
         assert rel(res.grad_norm, ref["norms"][step]) <= tol, \
             f"{where} step {step}: grad norm {res.grad_norm} vs {ref['norms'][step]}"
+    for u in eng.units:  # between steps nothing but the shards is resident: no gathered weights, no grads
+        assert u.deg.p == 1 or u.full.untyped_storage().nbytes() == 0, f"{where}: {u.name} still gathered"
+        assert all(u.param(s).grad is None for s in u.slots), f"{where}: {u.name} keeps parameter grads"
     dist.all_reduce(step_losses)  # one collective for all steps: the global mean loss per step
     for step, loss in enumerate((step_losses / world).tolist()):
         worst = max(worst, rel(loss, ref["losses"][step]))
