@@ -11,8 +11,9 @@
 # - `scancel --signal=USR1 <job>` (no --batch) signals the step's processes directly: the ranks
 #   checkpoint and exit 0 and the job ends COMPLETED without requeue ("checkpoint and stop").
 # - torchrun's agent has no SIGUSR1 handler (the default action would kill it and orphan its
-#   workers), so it is started with SIGUSR1 ignored; train.py installs its own handler, so the
-#   ranks still receive it.
+#   workers), so it is started with SIGUSR1 ignored, as are the srun variant's ranks; train.py
+#   installs its own handler, so the ranks still act on it once they are up (and a stop request
+#   is repeated until they do, see run_step).
 
 die() { echo "$(basename "${SCRIPT_PATH:-slurm}"): error: $*" >&2; exit 2; }
 note() { echo "[$(date +%H:%M:%S)] $(basename "${SCRIPT_PATH:-slurm}"): $*"; }
@@ -70,9 +71,21 @@ run_step() {
     fi
     "$@" &
     _step_pid=$!
-    # A trapped signal makes `wait` return early; keep waiting while the step is alive.
+    # A trapped signal makes `wait` return early; keep waiting while the step is alive. After a
+    # stop request, poll instead and repeat SIGUSR1 every 30 s: ranks that are still starting up
+    # (before train.py installs its handler) ignore it, and a repeat reaches them once they can act.
+    local polls=0
     while kill -0 "$_step_pid" 2>/dev/null; do
-        wait "$_step_pid" || true
+        if ((_stop_requested)); then
+            sleep 2 || true
+            polls=$((polls + 1))
+            if ((polls % 15 == 0)) && kill -0 "$_step_pid" 2>/dev/null; then
+                note "ranks still running $((polls * 2)) s after SIGUSR1; sending it again"
+                kill -USR1 "$_step_pid" 2>/dev/null || true
+            fi
+        else
+            wait "$_step_pid" || true
+        fi
     done
     local rc=0
     wait "$_step_pid" || rc=$?
