@@ -99,3 +99,24 @@ def test_int32_tokens_for_large_vocabularies(tmp_path):
     w.finalize()
     ds = IndexedDataset(str(tmp_path / "big"))
     assert ds.dtype == np.int32 and ds.doc(0).tolist() == [70000, 128000]
+
+
+def test_command_line(tmp_path, tokenizer_model, dataset_prefix, texts):
+    import subprocess
+    import sys
+
+    from tests.data.test_train_builtin import ROOT
+
+    src = write_jsonl(tmp_path / "d.jsonl", texts)
+    cmd = [sys.executable, "-m", "data.preprocess", "--input", str(src), "--output-prefix", str(tmp_path / "cli"),
+           "--tokenizer", tokenizer_model, "--workers", "2"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"{len(texts)} documents" in r.stdout and "tokens/s" in r.stdout
+    assert "doc/s" in r.stderr  # the progress bar
+    for ext in (".bin", ".idx"):
+        assert open(str(tmp_path / "cli") + ext, "rb").read() == open(dataset_prefix + ext, "rb").read()
+    r = subprocess.run(cmd[:4] + [str(tmp_path / "missing.jsonl")] + cmd[5:], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1] == f"error: {tmp_path / 'missing.jsonl'}: input file or folder not found"
