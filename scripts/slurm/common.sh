@@ -28,8 +28,9 @@ pick_python() {
     else
         PYTHON=$(command -v python3) || die "no PYTHON given, no $REPO_DIR/.venv and no python3 on PATH"
     fi
-    "$PYTHON" -c 'import torch, hydra' 2>/dev/null \
-        || die "$PYTHON cannot import torch and hydra; run 'make venv' in $REPO_DIR or set PYTHON"
+    # find_spec looks the packages up without importing them (importing torch costs seconds).
+    "$PYTHON" -c 'import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ("torch", "hydra")))' \
+        || die "$PYTHON has no torch or no hydra; run 'make venv' in $REPO_DIR or set PYTHON"
 }
 
 # The run directory name comes from the job, so every rank on every node agrees on it without

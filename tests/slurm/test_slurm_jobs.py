@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -163,3 +165,17 @@ def test_pretrain_sbatch_without_gpus_or_rank_count_is_a_clear_error(local_slurm
     text = log_of(tmp_path, "nogpu", job).read_text()
     assert info.state == "FAILED", info.raw
     assert "no GPUs in this allocation; for a CPU run set NPROC_PER_NODE" in text, text
+
+
+def test_python_without_torch_is_a_clear_error(local_slurm, tmp_path):
+    # The interpreter the venv was made from: the same Python, without the venv's packages.
+    base = sys._base_executable
+    if subprocess.run([base, "-c", "import torch"], capture_output=True).returncode == 0:
+        pytest.skip(f"{base} can import torch, so it cannot stand for a Python without it")
+    job = local_slurm.sbatch("pretrain.sbatch", *TINY, sbatch_args=[*CPU_SBATCH, "--job-name=nopython"],
+                             env={**CPU_TORCHRUN, "PYTHON": base}, cwd=tmp_path)
+    info = local_slurm.wait_done(job, timeout=60)
+    text = log_of(tmp_path, "nopython", job).read_text()
+    assert info.state == "FAILED", info.raw
+    assert f"{base} has no torch or no hydra; run 'make venv'" in text, text
+
