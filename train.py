@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import os
 import pathlib
+import shutil
+import signal
 import sys
 
 import hydra
@@ -135,6 +136,13 @@ def main(cfg: DictConfig) -> None:
                       train_samples=cfg.trainer.max_steps * gbs, model_vocab_size=model_cfg.vocab_size)
     log.info("unigram entropy of the training tokens: %.4f nats (the loss of a model that knows only token "
              "frequencies)", data.unigram_entropy)
+    # Checkpoints carry the config with the tokenizer they were trained with (a copy in the run
+    # directory), so an export needs nothing but the run directory.
+    tokenizer_copy = run_dir / "tokenizer.model"
+    if denv.is_main and not tokenizer_copy.exists():
+        shutil.copyfile(data.tokenizer.model_file, tokenizer_copy)
+    resolved = OmegaConf.to_yaml(OmegaConf.merge(cfg, {"data": {"tokenizer": str(tokenizer_copy.resolve())}}),
+                                 resolve=True)
     train_loader = MicroBatchLoader(data.train, gbs, mbs, denv.rank, denv.world_size, prefetch=cfg.data.prefetch)
 
     # The AMSP engine builds the model on the meta device and initialises only this rank's shards;
