@@ -8,6 +8,7 @@ data, then the loop (micro-batches with gradient accumulation, one optimizer ste
 """
 from __future__ import annotations
 
+import filecmp
 import json
 import logging
 import os
@@ -139,7 +140,8 @@ def main(cfg: DictConfig) -> None:
     # Checkpoints carry the config with the tokenizer they were trained with (a copy in the run
     # directory), so an export needs nothing but the run directory.
     tokenizer_copy = run_dir / "tokenizer.model"
-    if denv.is_main and not tokenizer_copy.exists():
+    if denv.is_main and not (tokenizer_copy.exists() and filecmp.cmp(data.tokenizer.model_file, tokenizer_copy,
+                                                                      shallow=False)):
         shutil.copyfile(data.tokenizer.model_file, tokenizer_copy)
     resolved = OmegaConf.to_yaml(OmegaConf.merge(cfg, {"data": {"tokenizer": str(tokenizer_copy.resolve())}}),
                                  resolve=True)
