@@ -116,6 +116,8 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str, 
                 drain_one()
         if writer.num_docs == 0:
             raise DataError(",".join(inputs), f"empty input: no document has text in field {text_field!r}")
+        if os.path.exists(f"{output_prefix}.json"):
+            os.remove(f"{output_prefix}.json")  # never leave an old record beside new tokens
         writer.finalize()
     except BaseException:
         writer.abort()
