@@ -158,3 +158,19 @@ def test_infeasible_names_the_smallest_plan_and_the_excess():
     assert "smallest-memory plan" in msg and "GiB over" in msg
     assert "activation_checkpointing" in msg and "micro_batch_size" in msg
     assert e.value.excess_bytes > 0
+
+
+def test_fixed_tensor_and_pipeline_degrees_scale_the_data_parallel_problem():
+    """tp/pp are inputs: they divide the world (data-parallel world = world / (tp*pp), tp inside a
+    node) and the per-rank model (1/tp of each unit, n_layers/pp blocks)."""
+    base = CostModel(workload("tiny"), flat_cluster(2, 8))
+    tp = CostModel(workload("tiny", tp=2), flat_cluster(2, 8))
+    pp = CostModel(workload("tiny", pp=2), flat_cluster(2, 8))
+    assert (base.dp_world, base.dp_per_node) == (16, 8)
+    assert (tp.dp_world, tp.dp_per_node) == (8, 4) and (pp.dp_world, pp.dp_per_node) == (8, 8)
+    assert max(d.os for d in tp.candidates()) == 8
+    assert tp.w.block_numel == -(-base.w.block_numel // 2) and len(pp.w.units()) == len(base.w.units()) - 2
+    with pytest.raises(ValueError, match="tensor-parallel degree"):
+        CostModel(workload("tiny", tp=3), flat_cluster(2, 8))
+    with pytest.raises(ValueError, match="assumed MFU"):
+        Options(mfu=0)
