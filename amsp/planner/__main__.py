@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_dir
 
 from configs.schema import register_configs
 
-from .from_config import cluster_spec, options_from_config, planner_config, with_world, workload_from_config
+from .from_config import cluster_spec, options_from_config, planner_config, precision_name, workload_from_config
 from .report import NoFeasiblePlan
 from .simulate import DEFAULT_GPUS, format_simulation, simulate
 from .solve import plan_cluster
@@ -48,15 +48,17 @@ def main(argv: list[str] | None = None) -> int:
     print(cluster.describe())
     try:
         if mode == "simulate":
-            rows = simulate(lambda n: with_world(cfg, _workload(cfg, cluster), n), cluster, options,
-                            [int(x) for x in args.gpus.split(",")])
+            r = cluster.ranks_per_node
+            rows = simulate(lambda n: workload_from_config(cfg, cluster.with_shape(max(1, n // r), min(r, n))),
+                            cluster, options, [int(x) for x in args.gpus.split(",")])
             print(f"model {cfg.model.name}, seq_len {cfg.data.seq_len}, micro-batch {cfg.trainer.micro_batch_size}, "
                   f"recomputation {cfg.model.activation_checkpointing}, assumed MFU of compute {options.mfu:.0%}")
             print(format_simulation(rows))
             return 0
-        w = _workload(cfg, cluster)
+        w = workload_from_config(cfg, cluster)
         print(f"model {cfg.model.name}: {w.params_per_rank() / 1e9:.2f}B parameters per replica, seq_len {w.seq_len}, "
-              f"{w.micro_batches} micro-batch(es) of {w.micro_batch_size} per rank, {w.precision}, "
+              f"{w.micro_batches} micro-batch(es) of {w.micro_batch_size} per rank, "
+              f"{precision_name(cfg, cluster)}, "
               f"recomputation {w.recompute}, tp {w.tp}, pp {w.pp}")
         res = plan_cluster(w, cluster, options, top_k=p.top_k, time_limit_s=p.time_limit_s)
         print(res.table())
@@ -64,10 +66,6 @@ def main(argv: list[str] | None = None) -> int:
     except (NoFeasiblePlan, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-
-def _workload(cfg, cluster):
-    return workload_from_config(cfg, cluster)
 
 
 if __name__ == "__main__":

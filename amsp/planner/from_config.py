@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
-
 from omegaconf import DictConfig, OmegaConf
 
 from amsp.schedule import Precision
@@ -68,11 +66,6 @@ def workload_from_config(cfg: DictConfig, cluster: ClusterSpec) -> Workload:
                     micro_batches=micro_batches(cfg, dp_world),
                     precision=Precision.named(precision_name(cfg, cluster)),
                     recompute=model.activation_checkpointing, tp=p.tp, pp=p.pp)
-
-
-def with_world(cfg: DictConfig, w: Workload, world: int) -> Workload:
-    """The same workload at another world size (the global batch stays; micro-batches follow)."""
-    return replace(w, micro_batches=micro_batches(cfg, world // (w.tp * w.pp)))
 
 
 def host_memory_bytes() -> int:
