@@ -175,7 +175,7 @@ class CostModel:
         return per_mb * self.w.micro_batches * (1 + self.w.pipeline_bubble())
 
     def grad_norm(self) -> list[Priced]:
-        if self.dp_world * self.w.tp * self.w.pp == 1:
+        if self.dp_world == 1:  # amsp.schedule: over the data-parallel world, when it has several ranks
             return []
         n, k, m = layout("world", Degrees(1, 1, 1), self.dp_per_node, self.dp_world)
         return [self.price("grad_norm", "all_reduce", "*", n, k, m, 4, 1)]
