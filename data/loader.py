@@ -84,7 +84,8 @@ class MicroBatchLoader:
         self._wait += time.perf_counter() - t0
         if item is _DONE:
             self._queue.put(_DONE)
-            raise StopIteration
+            raise StopIteration(f"rank {self.rank}: samples exhausted after {self.consumed_samples} consumed "
+                                f"(the dataset was built with {len(self.source)})")
         if isinstance(item, BaseException):
             raise item
         self._taken += 1
