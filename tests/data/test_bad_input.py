@@ -140,3 +140,13 @@ def test_builtin_tokenizer_size_follows_the_model():
     assert builtin_vocab_size(cfg, 128256) == 32000 and builtin_vocab_size(cfg, 1000) == 896
     raises_one_line(lambda: builtin_vocab_size(cfg, 256), "model.vocab_size", "too small")
     assert builtin_vocab_size(_data_cfg(builtin=SimpleNamespace(vocab_size=1000)), 8192) == 1000
+
+
+def test_missing_paths_are_errors_and_bare_names_mean_hub_datasets(tmp_path, monkeypatch):
+    from data.sources import resolve_inputs
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus").mkdir()
+    assert resolve_inputs(["allenai/c4", "wikitext"]) == [("allenai/c4", "hub"), ("wikitext", "hub")]
+    for missing in ("docs.jsonl", "./docs", "/abs/docs", "corpus/part1", "a b"):
+        raises_one_line(lambda: resolve_inputs([missing]), missing, "not found")
