@@ -61,3 +61,24 @@ def test_measured_points_replace_only_their_curves():
     measured = apply_points(c, {("all_gather", "intra"): [(2**20, 1.5), (2**16, 0.5)]}, "probe")
     assert measured.source == "probe" and measured.curves[("all_gather", "intra")].points == ((2**16, 0.5), (2**20, 1.5))
     assert ("all_reduce", "intra") not in measured.curves  # still the alpha-beta figures
+
+
+def test_plan_for_run_single_process(tmp_path, caplog):
+    """One process: nothing to probe (said so), a plan and RUN_DIR/plan.txt; too little memory is
+    the NoFeasiblePlan error before anything is allocated."""
+    import logging
+
+    from amsp.launch import DistEnv
+    from amsp.planner import NoFeasiblePlan, plan_for_run
+    from amsp.planner.__main__ import compose_config
+
+    single = DistEnv(0, 1, 0, 1, "single")
+    cfg = compose_config(["model=debug", "cluster.peak_tflops=0.05", "cluster.device_memory_gib=4"])
+    with caplog.at_level(logging.INFO, logger="amsp.planner"):
+        out = plan_for_run(cfg, single, run_dir=tmp_path)
+    assert str(out.plan.blocks) == "1/1/1" and (tmp_path / "plan.txt").read_text() == out.table + "\n"
+    assert "a single process has nothing to measure" in caplog.text
+    tight = compose_config(["model=llama2_7b", "data.seq_len=1024", "trainer.micro_batch_size=1",
+                            "trainer.global_batch_size=1", "cluster.peak_tflops=0.05", "cluster.device_memory_gib=4"])
+    with pytest.raises(NoFeasiblePlan, match="smallest-memory plan 1/1/1"):
+        plan_for_run(tight, single)
