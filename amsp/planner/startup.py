@@ -49,6 +49,10 @@ def plan_for_run(cfg: DictConfig, denv, device: torch.device | str = "cpu",
     """Choose the plan for this run. Collective when the world has several ranks."""
     device = torch.device(device)
     p = planner_config(cfg)
+    if p.tp * p.pp != 1:
+        raise ValueError(f"amsp.planner.tp={p.tp} / pp={p.pp}: the engine runs data parallelism only, so a "
+                         f"training run plans with tp = pp = 1; model-parallel degrees are for "
+                         f"`python -m amsp.planner` what-ifs until model parallelism lands")
     r = ranks_per_node(cfg, denv.local_world_size)
     topo = Topology(denv.world_size, r)
     points = None
