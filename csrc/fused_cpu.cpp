@@ -323,15 +323,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_fwd(
     ++n_valid;
   }
   auto acc_type = at::toOpMathType(h.scalar_type());
-  auto grad_h = compute_grad ? at::zeros_like(h) : at::empty({0}, h.options());
+  // Reduced-precision inputs are multiplied in fp32: torch's CPU bf16 GEMM with the vocabulary as
+  // the reduction dimension (grad_h = g @ W) ran ~100x slower than fp32 here (BENCHMARKS.md), and
+  // fp32 products are at least as accurate as the reference's bf16 logits.
+  const bool widen = h.scalar_type() != acc_type;
+  auto w_mm = widen ? w.to(acc_type) : w;
+  auto grad_h = compute_grad ? at::empty_like(h) : at::empty({0}, h.options());
   auto grad_w_acc = compute_grad ? at::zeros({V, h.size(1)}, h.options().dtype(acc_type)) : at::empty({0}, h.options());
   // 0/0 = nan when every target is ignored, as F.cross_entropy returns.
   const double scale = 1.0 / static_cast<double>(n_valid);
   double loss_sum = 0.0;
   for (int64_t c0 = 0; c0 < N; c0 += chunk) {
     const int64_t c1 = std::min(N, c0 + chunk), C = c1 - c0;
-    auto hc = h.narrow(0, c0, C);
-    auto logits = at::mm(hc, w.t()).to(acc_type).contiguous();  // (C, V), widened like the reference
+    auto hc = widen ? h.narrow(0, c0, C).to(acc_type) : h.narrow(0, c0, C);
+    auto logits = at::mm(hc, w_mm.t()).contiguous();  // (C, V) in the math type
     std::vector<double> row_loss(C, 0.0);
     AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "linear_cross_entropy", [&] {
       using acc_t = scalar_t;
@@ -360,13 +365,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_fwd(
     });
     for (int64_t r = 0; r < C; ++r) loss_sum += row_loss[r];
     if (compute_grad) {
-      auto g = logits.to(h.scalar_type());  // d loss / d logits for this chunk
-      grad_h.narrow(0, c0, C).copy_(at::mm(g, w));
-      if (h.scalar_type() == acc_type) {
-        grad_w_acc.addmm_(g.t(), hc);
-      } else {
-        grad_w_acc.add_(at::mm(g.t(), hc));
-      }
+      // logits now hold d loss / d logits for this chunk
+      grad_h.narrow(0, c0, C).copy_(at::mm(logits, w_mm));
+      grad_w_acc.addmm_(logits.t(), hc);
     }
   }
   auto loss = at::scalar_tensor(loss_sum * scale, h.options().dtype(acc_type));

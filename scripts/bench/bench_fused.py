@@ -100,13 +100,16 @@ def _make_case(op: str, variant: str, tokens: int, dtype):
     return step, desc
 
 
+MODEL_DIM = 512  # whole-model case: 4 layers of head_dim 128 and LLaMA's 32000 vocabulary
+
+
 def _model_case(fused_choice: str, tokens: int, batch: int, dtype):
     import torch
 
     from models.llama.config import LlamaConfig
     from models.llama.model import build_model
 
-    cfg = LlamaConfig(dim=1024, n_layers=4, n_heads=8, n_kv_heads=8, vocab_size=32000, multiple_of=256,
+    cfg = LlamaConfig(dim=MODEL_DIM, n_layers=4, n_heads=MODEL_DIM // 128, vocab_size=32000, multiple_of=256,
                       max_seq_len=tokens, fused=fused_choice)
     model = build_model(cfg, dtype=dtype)
     gen = torch.Generator().manual_seed(0)
@@ -117,7 +120,8 @@ def _model_case(fused_choice: str, tokens: int, batch: int, dtype):
         model.zero_grad(set_to_none=True)
         model(x, y).backward()
 
-    return step, f"dim 1024, 4 layers, 8 heads of 128, vocab 32000, batch {batch} x {tokens} tokens"
+    return step, (f"dim {MODEL_DIM}, 4 layers, {MODEL_DIM // 128} heads of 128, vocab 32000, "
+                  f"batch {batch} x {tokens} tokens")
 
 
 def child(args) -> None:
@@ -179,7 +183,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1024, help="tokens for the elementwise ops")
     p.add_argument("--ce-tokens", type=int, default=2 * CE_DIM, help="tokens for linear + cross-entropy")
     p.add_argument("--model-tokens", type=int, default=512, help="sequence length of the model run")
-    p.add_argument("--batch", type=int, default=2, help="batch of the model run")
+    p.add_argument("--batch", type=int, default=1, help="batch of the model run")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=1)
@@ -189,7 +193,7 @@ def main() -> None:
         child(args)
         return
     results: dict[tuple[str, str], dict] = {}
-    ops, variants = args.ops.split(","), args.variants.split(",")
+    ops, variants = [o for o in args.ops.split(",") if o], args.variants.split(",")
     print(f"| op | shapes ({args.dtype}, {args.threads} thread(s)) | variant | fwd+bwd CPU ms | wall ms | peak MiB "
           "| time vs eager | memory vs eager |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
@@ -201,7 +205,7 @@ def main() -> None:
             m_ratio = f"{e['peak_mib'] / max(r['peak_mib'], 1e-3):.2f}x" if e else "-"
             print(f"| {op} | {r['desc']} | {variant} | {r['time_s'] * 1e3:.1f} | {r['wall_s'] * 1e3:.1f} | "
                   f"{r['peak_mib']:.1f} | {t_ratio} | {m_ratio} |", flush=True)
-    if "eager" in variants and "fused" in variants:
+    if ops and "eager" in variants and "fused" in variants:
         print("\nmodel.fused=auto decision (fused vs eager, threshold "
               f"{AUTO_THRESHOLD}x in time or memory):")
         for op in ops:

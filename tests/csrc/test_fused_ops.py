@@ -109,14 +109,19 @@ def test_swiglu_matches_reference(native_ext, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_cross_entropy_matches_reference(native_ext, dtype):
     torch.manual_seed(0)
-    h0, w0 = torch.randn(2, 96, 256), torch.randn(32000, 256) * 0.05
-    t = torch.randint(0, 32000, (2, 96))
+    # bf16 is 32 tokens: the eager reference's bf16 grad_h GEMM (reduction over the vocabulary) is
+    # very slow on CPU.
+    tokens = 96 if dtype == torch.float32 else 16
+    h0, w0 = torch.randn(2, tokens, 256), torch.randn(32000, 256) * 0.05
+    t = torch.randint(0, 32000, (2, tokens))
     t[0, :10] = IGNORE_INDEX
     h, w, hr, wr = _leaf(h0, dtype), _leaf(w0, dtype), _leaf(h0, dtype), _leaf(w0, dtype)
-    loss = fused.linear_cross_entropy(h, w, t, IGNORE_INDEX, chunk=40)
+    loss = fused.linear_cross_entropy(h, w, t, IGNORE_INDEX, chunk=13)
     loss_ref = lm_loss(F.linear(hr, wr), t)
     assert loss.dtype == loss_ref.dtype == torch.float32
-    torch.testing.assert_close(loss, loss_ref, atol=1e-5, rtol=1e-5)
+    # bf16: the reference rounds its logits to bf16, the fused op keeps them in fp32
+    torch.testing.assert_close(loss, loss_ref, **(dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32
+                                                   else dict(atol=5e-3, rtol=5e-3)))
     (loss * 3).backward()
     (loss_ref * 3).backward()  # a non-unit upstream gradient scales the precomputed grads
     torch.testing.assert_close(h.grad, hr.grad, **TOL[dtype])
