@@ -170,3 +170,28 @@ def test_python_without_torch_is_a_clear_error(local_slurm, tmp_path):
     assert info.state == "FAILED", info.raw
     assert f"{base} has no torch or no hydra; run 'make venv'" in text, text
 
+
+
+@pytest.mark.slow
+def test_time_limit_signal_requeues_with_a_checkpoint(local_slurm, tmp_path):
+    # The real --signal path: Slurm itself signals the batch shell when the remaining time drops
+    # below the margin (checked about every 30 s, hence `slow`). The margin is wide so the signal
+    # may land while the ranks are still starting, which the repeated SIGUSR1 covers.
+    job_name = "timelimit"
+    job = local_slurm.sbatch("pretrain.sbatch", *TINY, "trainer.max_steps=100000", "trainer.checkpoint_interval=0",
+                             f"trainer.output_dir={tmp_path / 'runs'}",
+                             sbatch_args=[*CPU_SBATCH, f"--job-name={job_name}", "--time=3", "--signal=B:USR1@150"],
+                             env=CPU_TORCHRUN, cwd=tmp_path)
+    log = log_of(tmp_path, job_name, job)
+
+    def requeued():
+        info = local_slurm.job(job)
+        return info if info.restarts >= 1 else None
+
+    local_slurm.wait_for(requeued, "the job to checkpoint and requeue before its time limit", timeout=240,
+                         job_id=job, log=log)
+    local_slurm.scancel(job)  # the requeued run is not needed
+    text = log.read_text()
+    m = re.search(r"received SIGUSR1: saving checkpoint at step (\d+) and exiting", text)
+    assert m and "requeueing job" in text, text[-4000:]
+    assert latest_checkpoint(tmp_path / "runs" / f"{job_name}-{job}") == f"step_{int(m.group(1)):08d}"
