@@ -204,8 +204,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype != weight.dtype or not _native_ok("rms_norm", x, weight):
         from .backends import rms_norm_reference
 
-        _log_once("fused rms_norm: x is %s but weight is %s; using the eager reference for such calls",
-                  x.dtype, weight.dtype) if x.dtype != weight.dtype else None
+        if x.dtype != weight.dtype:
+            _log_once("fused rms_norm: x is %s but weight is %s; using the eager reference for such calls",
+                      x.dtype, weight.dtype)
         return rms_norm_reference(x, weight, eps)
     y, _ = torch.ops.amsp_fused.rms_norm_fwd(x.reshape(-1, x.shape[-1]), weight, eps)
     return y.view(x.shape)
