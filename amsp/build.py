@@ -51,7 +51,7 @@ def engine_from_config(amsp_cfg, optim_cfg, trainer_dtype: str, model_cfg: Llama
     topo = topology_from(amsp_cfg, denv)
     plan = plan or plan_from_config(amsp_cfg, topo)
     o = optim_cfg
-    options = EngineOptions(precision=precision_from_config(amsp_cfg, trainer_dtype),
+    options = EngineOptions(precision=precision_from_config(amsp_cfg, trainer_dtype), grad_comm=amsp_cfg.grad_comm,
                             overlap_spread=bool(amsp_cfg.overlap_spread), prefetch=bool(amsp_cfg.prefetch),
                             optim=AdamWSettings(betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                                                 grad_clip=o.grad_clip))

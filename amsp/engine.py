@@ -53,9 +53,19 @@ def resolve_precision(name: str, device: torch.device) -> str:
     return name
 
 
+def resolve_grad_comm(name: str, compute_dtype: torch.dtype) -> torch.dtype:
+    table = {"auto": compute_dtype, "fp32": torch.float32, "bf16": torch.bfloat16}
+    if name not in table:
+        raise ValueError(f"amsp.grad_comm={name!r} is not one of {'|'.join(table)}")
+    return table[name]
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     precision: str = "auto"  # auto | fp32 | bf16 (compute weights and communication)
+    # Gradient collectives' dtype when it should differ from `precision` (e.g. fp32 compute with bf16
+    # gradient traffic, where bf16 matmuls are slow but links are the bottleneck); auto = precision's.
+    grad_comm: str = "auto"
     overlap_spread: bool = False  # spread overlaps the next step's forward, unit by unit
     prefetch: bool = True  # prefetch the next unit's P all-gather in forward and backward
     # Gradient reduce-scatters (and the last micro-batch's hierarchical sync) run in the background
@@ -74,9 +84,10 @@ class AMSPEngine:
         for grp in ("blocks", "embed_head"):
             validate_degrees(plan.for_group(grp), topo.world, topo.ranks_per_node, what=f"plan {grp}")
         self.precision_name = resolve_precision(options.precision, self.device)
-        self.precision = Precision.named(self.precision_name)
         dtype = torch.float32 if self.precision_name == "fp32" else torch.bfloat16
         self.compute_dtype = dtype
+        self.grad_dtype = resolve_grad_comm(options.grad_comm, dtype)
+        self.precision = Precision(param_bytes=dtype.itemsize, grad_bytes=self.grad_dtype.itemsize)
         ensure_groups([plan.blocks, plan.embed_head], topo)
         self.comm = Comm(topo, rank)
         with torch.device("meta"):
@@ -121,8 +132,8 @@ class AMSPEngine:
                     offset += p.numel()
             deg = self.plan.for_group(grp)
             groups = unit_groups(deg, self.topo, self.rank)
-            units.append(FlatUnit(uname, grp, modules, slots, deg, groups, self.rank, self.topo.world, dtype, dtype,
-                                  self.device, self.comm))
+            units.append(FlatUnit(uname, grp, modules, slots, deg, groups, self.rank, self.topo.world, dtype,
+                                  self.grad_dtype, self.device, self.comm))
         missing = {n for n, _ in self.model.named_parameters()} - seen
         if missing:
             raise RuntimeError(f"parameters in no unit: {sorted(missing)}")
@@ -162,7 +173,8 @@ class AMSPEngine:
             return
         on = {True: "on", False: "off"}
         log.info("AMSP plan %s on %d ranks (%d per node); precision %s; prefetch %s; async grad reduce %s; "
-                 "spread overlap %s", self.plan, self.topo.world, self.topo.ranks_per_node, self.precision_name,
+                 "spread overlap %s", self.plan, self.topo.world, self.topo.ranks_per_node,
+                 f"{self.precision_name} (gradient communication {str(self.grad_dtype).removeprefix('torch.')})",
                  on[self.options.prefetch], on[self.options.async_grad_reduce], on[self.options.overlap_spread])
         for grp in ("blocks", "embed_head"):
             us = [u for u in self.units if u.group == grp]

@@ -1,6 +1,7 @@
 """Keeping a long run alive and honest: preemption signals, non-finite steps, dead or hung ranks.
 
-- Preemption: SIGUSR1 (Slurm's --signal before the time limit) and SIGTERM (preemption, scancel)
+- Preemption: SIGUSR1 (Slurm's --signal before the time limit), SIGUSR2 (submitit) and SIGTERM
+  (preemption, scancel)
   only set a flag; the loop checks it once per step with one tiny all_reduce, so every rank stops
   after the same step, saves a checkpoint, and exits.
 - Non-finite loss or gradient: the engine skips the update; SkipGuard counts consecutive skips
@@ -23,7 +24,8 @@ log = logging.getLogger(__name__)
 
 
 class PreemptionHandler:
-    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+    # USR1: Slurm's --signal before the time limit; USR2: submitit's timeout signal; TERM: preemption.
+    SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.received: int = 0

@@ -56,6 +56,15 @@ def precision_name(cfg: DictConfig, cluster: ClusterSpec) -> str:
     return a if a != "auto" else t if t != "auto" else cluster.dtype
 
 
+def _precision(cfg: DictConfig, cluster: ClusterSpec) -> Precision:
+    # As the engine: parameters in the compute dtype, gradients in amsp.grad_comm (auto = the same).
+    compute = Precision.named(precision_name(cfg, cluster))
+    grad = OmegaConf.select(cfg, "amsp.grad_comm") or "auto"
+    if grad == "auto":
+        return compute
+    return Precision(param_bytes=compute.param_bytes, grad_bytes=Precision.named(grad).grad_bytes)
+
+
 def workload_from_config(cfg: DictConfig, cluster: ClusterSpec) -> Workload:
     p = planner_config(cfg)
     model = to_llama_config(cfg.model)
@@ -64,7 +73,7 @@ def workload_from_config(cfg: DictConfig, cluster: ClusterSpec) -> Workload:
         raise ValueError(f"amsp.planner.tp*pp={p.tp * p.pp} must divide the world size {cluster.world}")
     return Workload(model=model, seq_len=cfg.data.seq_len, micro_batch_size=cfg.trainer.micro_batch_size,
                     micro_batches=micro_batches(cfg, dp_world),
-                    precision=Precision.named(precision_name(cfg, cluster)),
+                    precision=_precision(cfg, cluster),
                     recompute=model.activation_checkpointing, tp=p.tp, pp=p.pp)
 
 
