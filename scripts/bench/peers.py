@@ -10,7 +10,8 @@ data-parallel layer differs:
                accumulation); bf16 regime: MixedPrecisionPolicy(reduce_dtype=bf16).
   fsdp2_hsdp   the same on a 2-D (nodes x ranks-per-node) mesh: shard inside a node, replicate
                across nodes (HSDP).
-  amsp:<plan>  the AMSP engine with a preset or an explicit plan (precision fp32 or bf16).
+  amsp:<plan>  the AMSP engine with a preset or an explicit plan; fp32 compute, gradient traffic
+               in the regime's dtype (amsp.grad_comm), as the peers do.
 A runner's train_step(batches) does one optimizer step over its micro-batches and returns the mean
 loss over the global batch.
 """
@@ -136,7 +137,8 @@ class AMSPRunner:
         from amsp.topology import Topology
 
         topo = Topology(dist.get_world_size(), ranks_per_node)
-        opts = EngineOptions(precision=precision, optim=AdamWSettings(betas=BETAS, eps=EPS, weight_decay=WD,
+        # Compute stays fp32 on every side; the regime's dtype is the gradient traffic's.
+        opts = EngineOptions(precision="fp32", grad_comm=precision, optim=AdamWSettings(betas=BETAS, eps=EPS, weight_decay=WD,
                                                                       grad_clip=CLIP))
         self.engine = AMSPEngine(cfg, plan, topo, dist.get_rank(), seed=seed, options=opts)
         self.lr = lr

@@ -129,7 +129,8 @@ def choose_auto_plan(cfg: LlamaConfig, spec: dict, probe: dict, peak_flops: floa
                           device_memory_bytes=int(spec["device_memory_bytes"]), peak_flops=peak_flops,
                           memory_bandwidth_gbs=5.0, dtype="fp32", fallback=fb, source="probe")
     wl = Workload(model=cfg, seq_len=spec["seq_len"], micro_batch_size=spec["micro_batch_size"],
-                  micro_batches=spec["micro_batches"], precision=Precision.named(spec["precision"]))
+                  micro_batches=spec["micro_batches"],
+                  precision=Precision(4, Precision.named(spec["precision"]).grad_bytes))  # fp32 compute
     opts = Options(reserved_bytes=int(spec.get("reserved_bytes", 0)), memory_margin=spec.get("memory_margin", 0.08))
     return plan_cluster(wl, cluster, opts)
 
