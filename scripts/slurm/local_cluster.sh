@@ -73,7 +73,9 @@ SlurmctldPort=$CTLD_PORT
 SlurmdPort=$SLURMD_PORT
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$MUNGE_SOCKET
+# cred_expire is also how long a requeued job waits before it may start again (default 120 s);
+# releasing it earlier races slurmd's revoked credential ("Job credential revoked"), so keep it short.
+AuthInfo=socket=$MUNGE_SOCKET,cred_expire=10
 StateSaveLocation=$DIR/ctld
 SlurmdSpoolDir=$DIR/spool
 SlurmctldPidFile=$DIR/slurmctld.pid
