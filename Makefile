@@ -23,7 +23,7 @@ train: $(STAMP)
 	$(PY) train.py $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=20 $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)
