@@ -56,7 +56,7 @@ def test_every_plan_4_ranks_as_2_nodes_of_2():
     plans = [(d.p, d.g, d.os) for d in enumerate_degrees(world, rpn)]
     cases = [{"blocks": b, "steps": STEPS} for b in plans]
     cases += [{"blocks": b, "steps": STEPS, "overlap": True} for b in plans]
-    cases += [{"blocks": b, "steps": 5, "ckpt": "full"} for b in plans]
+    cases += [{"blocks": b, "steps": STEPS, "ckpt": "full"} for b in plans]
     cases += [
         {"blocks": (2, 4, 4), "embed_head": (1, 1, 2), "steps": STEPS},
         {"blocks": (1, 2, 4), "embed_head": (4, 4, 4), "steps": 8, "overlap": True, "ckpt": "selective"},
@@ -99,10 +99,10 @@ def _run_8(plans: list[tuple[int, int, int]], extras: list[dict]) -> None:
 def test_plans_8_ranks_as_2_nodes_of_4():
     assert all(Degrees(*b) in enumerate_degrees(8, 4) for b in REPRESENTATIVE_8)
     _run_8(REPRESENTATIVE_8, [
-        {"blocks": (1, 4, 8), "steps": 6, "overlap": True, "ckpt": "full"},
-        {"blocks": (2, 8, 8), "steps": 6, "overlap": True, "ckpt": "full"},
+        {"blocks": (1, 4, 8), "steps": STEPS, "overlap": True, "ckpt": "full"},
+        {"blocks": (2, 8, 8), "steps": STEPS, "overlap": True, "ckpt": "full"},
         {"blocks": (4, 4, 8), "embed_head": (1, 2, 8), "steps": STEPS, "overlap": True},
-        {"blocks": (8, 8, 8), "embed_head": (1, 1, 4), "steps": 6, "ckpt": "full"},
+        {"blocks": (8, 8, 8), "embed_head": (1, 1, 4), "steps": STEPS, "ckpt": "full"},
         {"blocks": (2, 4, 8), "steps": 3, "reload": True},
     ])
 
