@@ -15,16 +15,13 @@ the previous checkpoint and pointer untouched; stale temporaries are removed at 
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import logging
 import os
-import pickle
 import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +30,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from models.llama.dcp_safe import SafeFileSystemReader
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
@@ -96,47 +95,6 @@ class _FragmentLoadPlanner(DefaultLoadPlanner):
         if frag is not None:
             return frag.tensor.narrow(0, read_item.dest_offsets[0], read_item.lengths[0])
         return super().resolve_tensor(read_item)
-
-
-# ---- loading without unpickling arbitrary objects ----
-_ALLOWED_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", n) for n in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
-    ("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-}
-
-
-def _allowed(module: str, name: str) -> bool:
-    # Only the plain data types DCP writes into its metadata: no callables with side effects.
-    if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-        return True
-    return (module, name) in _ALLOWED_GLOBALS
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if not _allowed(module, name):
-            raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not on the "
-                                         f"allow-list of DCP metadata types; refusing to load it")
-        return super().find_class(module, name)
-
-
-class SafeFileSystemReader(dcp.FileSystemReader):
-    """FileSystemReader whose metadata is unpickled through an allow-list (tensors use weights_only)."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any):
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
 
 
 # ---- the manager ----

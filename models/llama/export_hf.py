@@ -13,11 +13,9 @@ and, when the config names a tokenizer, tokenizer.model with its LlamaTokenizer 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import logging
 import pathlib
-import pickle
 import sys
 import warnings
 from dataclasses import replace
@@ -27,6 +25,7 @@ import torch
 
 from .hf import llama_config_from_dict, to_hf_config, to_hf_state_dict, write_tokenizer
 from .config import LlamaConfig
+from .dcp_safe import SafeFileSystemReader
 from .model import Llama
 
 log = logging.getLogger(__name__)
@@ -61,39 +60,6 @@ def parameter_shapes(cfg: LlamaConfig) -> dict[str, torch.Size]:
     return {n: p.shape for n, p in model.named_parameters()}
 
 
-# DCP's .metadata is a pickle. It is read through this allow-list of the plain data types DCP
-# writes, so a tampered checkpoint cannot run code (tensor payloads are read with weights_only).
-_METADATA_GLOBALS = {("torch.distributed.checkpoint.metadata", n) for n in (
-    "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-    "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
-    ("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"),
-    ("builtins", "set"), ("builtins", "frozenset")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        plain_torch = module == "torch" and isinstance(getattr(torch, name, None),
-                                                       (torch.dtype, torch.layout, torch.memory_format))
-        if not plain_torch and (module, name) not in _METADATA_GLOBALS:
-            raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not a DCP "
-                                         "metadata type; refusing to load it")
-        return super().find_class(module, name)
-
-
-def _safe_reader(ckpt_dir: pathlib.Path):
-    import torch.distributed.checkpoint as dcp
-
-    class SafeReader(dcp.FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any):
-            md = _MetadataUnpickler(io.BytesIO((ckpt_dir / ".metadata").read_bytes())).load()
-            if getattr(md, "storage_meta", None) is not None:
-                md.storage_meta.load_id = self.load_id
-            return md
-
-    return SafeReader(str(ckpt_dir))
-
-
 def resolve_checkpoint_dir(path: str | pathlib.Path) -> pathlib.Path:
     """A DCP directory itself, or a run's checkpoints/ directory or run directory (its `latest`)."""
     path = pathlib.Path(path)
@@ -115,7 +81,7 @@ def load_model_state(ckpt_dir: str | pathlib.Path, cfg: LlamaConfig) -> dict[str
     import torch.distributed.checkpoint as dcp
 
     ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
-    meta = _safe_reader(ckpt_dir).read_metadata().state_dict_metadata
+    meta = SafeFileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata
     shapes = parameter_shapes(cfg)
     stored = {k[len(MODEL_PREFIX):]: v for k, v in meta.items() if k.startswith(MODEL_PREFIX)}
     missing, extra = sorted(set(shapes) - set(stored)), sorted(set(stored) - set(shapes))
@@ -132,7 +98,7 @@ def load_model_state(ckpt_dir: str | pathlib.Path, cfg: LlamaConfig) -> dict[str
     # no_dist: one process reads every entry in full, no process group needed.
     with warnings.catch_warnings():  # single-process on purpose; the warning only says so
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(buffers, storage_reader=_safe_reader(ckpt_dir), no_dist=True)
+        dcp.load(buffers, storage_reader=SafeFileSystemReader(str(ckpt_dir)), no_dist=True)
     return {name: buffers[MODEL_PREFIX + name].view(shape) for name, shape in shapes.items()}
 
 
