@@ -7,7 +7,6 @@
 // data is checked here with the reference's error text.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -38,46 +37,45 @@ inline uint64_t splitmix64_inverse(uint64_t z) {
   return z - kGolden;
 }
 
-// Sorts m uniformly distributed keys whose top `consumed` bits are equal into dst: one more
-// counting pass on the next bits (about one key per slot), then an insertion pass that only moves
-// keys within their slot. O(m) expected, all in cache.
-inline void sort_uniform_keys(const uint64_t* a, uint64_t* dst, int64_t m, int consumed, std::vector<int64_t>& cnt) {
-  if (m <= 32 || consumed >= 48) {
-    std::copy(a, a + m, dst);
-    std::sort(dst, dst + m);
-    return;
+// Sorts the m keys of one bucket (their top `consumed` bits are equal; consumed <= 48) into a, given
+// the histograms of the next two bytes below those bits (lo_cnt/hi_cnt[d + 1] = keys with digit d,
+// counted by the caller while it hashed the keys): two LSD counting passes, all in L1, then an
+// insertion pass for the few keys (a few percent with about 2K uniform keys per bucket) that also
+// share those 16 bits. tmp must hold m keys.
+inline void sort_bucket_keys(uint64_t* a, uint64_t* tmp, int64_t m, int consumed, uint32_t* lo_cnt,
+                             uint32_t* hi_cnt) {
+  const int hi_shift = 64 - consumed - 8, lo_shift = 64 - consumed - 16;
+  for (int s = 0; s < 256; ++s) {
+    lo_cnt[s + 1] += lo_cnt[s];
+    hi_cnt[s + 1] += hi_cnt[s];
   }
-  int sb = 1;
-  while (sb < 16 && (int64_t(1) << (sb + 1)) <= m) ++sb;
-  const int64_t slots = int64_t(1) << sb;
-  auto slot_of = [consumed, sb](uint64_t x) -> int64_t { return int64_t((x << consumed) >> (64 - sb)); };
-  cnt.assign(slots + 1, 0);
-  for (int64_t j = 0; j < m; ++j) ++cnt[slot_of(a[j]) + 1];
-  for (int64_t s = 0; s < slots; ++s) cnt[s + 1] += cnt[s];
-  for (int64_t j = 0; j < m; ++j) dst[cnt[slot_of(a[j])]++] = a[j];
-  for (int64_t j = 1; j < m; ++j) {  // keys of different slots are already in order
-    const uint64_t v = dst[j];
-    if (dst[j - 1] <= v) continue;  // the common case stores nothing, so iterations do not chain
+  for (int64_t j = 0; j < m; ++j) tmp[lo_cnt[(a[j] >> lo_shift) & 255]++] = a[j];
+  for (int64_t j = 0; j < m; ++j) a[hi_cnt[(tmp[j] >> hi_shift) & 255]++] = tmp[j];
+  for (int64_t j = 1; j < m; ++j) {
+    const uint64_t v = a[j];
+    if (a[j - 1] <= v) continue;  // the common case stores nothing, so iterations do not chain
     int64_t k = j;
     do {
-      dst[k] = dst[k - 1];
+      a[k] = a[k - 1];
       --k;
-    } while (k > 0 && dst[k - 1] > v);
-    dst[k] = v;
+    } while (k > 0 && a[k - 1] > v);
+    a[k] = v;
   }
 }
 
 // Stable argsort of key(seed, stream, i) = splitmix64(base ^ i), written into out[0..n).
 // Because splitmix64 is a bijection the keys are distinct, so sorting the keys alone defines the
 // order (a stable sort has no ties to break) and each index is recovered from its key by the
-// inverse. Keys are uniform: one counting pass on the top bits splits them into cache-sized
-// buckets, each then sorted on its own, in parallel.
+// inverse. Keys are uniform: a counting pass on the top bits splits them into L1-sized buckets.
+// The scatter writes the *indices* into out (no key scratch array: a fresh multi-megabyte buffer
+// costs more in page faults than recomputing the hash, which is about a nanosecond); each bucket
+// is then re-hashed into a small local buffer, sorted there and written back as indices.
 template <typename out_t>
 void permutation_into(int64_t n, uint64_t seed, uint64_t stream, out_t* out) {
   if (n == 0) return;
   const uint64_t base = splitmix64(splitmix64(seed) ^ stream);
-  int bits = 0;  // about 1024 keys (8 KiB) per bucket, at most 4096 buckets so the cursors stay in cache
-  while (bits < 12 && (int64_t(1) << (bits + 1)) * 1024 <= n) ++bits;
+  int bits = 0;  // about 2048 keys (16 KiB) per bucket, at most 4096 buckets so the cursors stay in cache
+  while (bits < 12 && (int64_t(1) << (bits + 1)) * 2048 <= n) ++bits;
   const int64_t n_buckets = int64_t(1) << bits;
   auto bucket_of = [bits](uint64_t key) -> int64_t { return bits == 0 ? 0 : int64_t(key >> (64 - bits)); };
 
@@ -105,144 +103,226 @@ void permutation_into(int64_t n, uint64_t seed, uint64_t stream, out_t* out) {
     }
     bucket_start[n_buckets] = pos;
   }
-  std::vector<uint64_t> keys(n);
   at::parallel_for(0, n_blocks, 1, [&](int64_t bb, int64_t be) {
     for (int64_t b = bb; b < be; ++b) {
       int64_t* cursor = counts.data() + b * n_buckets;
       const int64_t i0 = n * b / n_blocks, i1 = n * (b + 1) / n_blocks;
-      for (int64_t i = i0; i < i1; ++i) {
-        const uint64_t key = splitmix64(base ^ uint64_t(i));
-        keys[cursor[bucket_of(key)]++] = key;
-      }
+      for (int64_t i = i0; i < i1; ++i) out[cursor[bucket_of(splitmix64(base ^ uint64_t(i)))]++] = static_cast<out_t>(i);
     }
   });
   at::parallel_for(0, n_buckets, 16, [&](int64_t kb, int64_t ke) {
-    std::vector<uint64_t> sorted;
-    std::vector<int64_t> cnt;
+    std::vector<uint64_t> keys, tmp;
+    const int hi_shift = 64 - bits - 8, lo_shift = 64 - bits - 16;
     for (int64_t k = kb; k < ke; ++k) {
       const int64_t lo = bucket_start[k], m = bucket_start[k + 1] - lo;
-      sorted.resize(m);
-      sort_uniform_keys(keys.data() + lo, sorted.data(), m, bits, cnt);
-      for (int64_t j = 0; j < m; ++j) out[lo + j] = static_cast<out_t>(splitmix64_inverse(sorted[j]) ^ base);
+      keys.resize(m);
+      tmp.resize(m);
+      if (m <= 64) {  // small buckets (small n): a comparison sort beats 2 x 256 counters
+        for (int64_t j = 0; j < m; ++j) keys[j] = splitmix64(base ^ static_cast<uint64_t>(out[lo + j]));
+        std::sort(keys.begin(), keys.begin() + m);
+      } else {
+        uint32_t lo_cnt[257] = {0}, hi_cnt[257] = {0};
+        for (int64_t j = 0; j < m; ++j) {
+          const uint64_t key = splitmix64(base ^ static_cast<uint64_t>(out[lo + j]));
+          keys[j] = key;
+          ++lo_cnt[((key >> lo_shift) & 255) + 1];
+          ++hi_cnt[((key >> hi_shift) & 255) + 1];
+        }
+        sort_bucket_keys(keys.data(), tmp.data(), m, bits, lo_cnt, hi_cnt);
+      }
+      for (int64_t j = 0; j < m; ++j) out[lo + j] = static_cast<out_t>(splitmix64_inverse(keys[j]) ^ base);
     }
   });
 }
 
-at::Tensor permutation(int64_t n, int64_t seed, int64_t stream) {
+// The caller (data/native_index.py) allocates every output with numpy: numpy asks the kernel for
+// transparent huge pages on large arrays, which makes first-touch page faults several times
+// cheaper than the 4 KiB pages an at::empty gets, and on these builders (a few nanoseconds of work
+// per element) faults are a large share of the time.
+void check_out(const at::Tensor& out, at::ScalarType dtype, int64_t numel, const char* what) {
+  TORCH_CHECK_VALUE(out.scalar_type() == dtype && out.is_contiguous() && out.numel() == numel, what,
+                    ": output must be a contiguous ", c10::toString(dtype), " tensor of ", numel,
+                    " elements, got ", out.scalar_type(), " of ", out.numel());
+}
+
+// Writes a permutation of range(n) into out (int32 or int64, n elements).
+void permutation(int64_t n, int64_t seed, int64_t stream, const at::Tensor& out) {
   TORCH_CHECK_VALUE(n >= 0, "permutation size must be >= 0, got ", n);
-  auto out = at::empty({n}, at::TensorOptions().dtype(at::kLong));
-  permutation_into<int64_t>(n, uint64_t(seed), uint64_t(stream), out.mutable_data_ptr<int64_t>());
-  return out;
-}
-
-at::Tensor build_doc_index(int64_t num_docs, int64_t num_epochs, int64_t seed) {
-  TORCH_CHECK_VALUE(num_docs < (int64_t(1) << 31), "build_doc_index: ", num_docs,
-                    " documents do not fit int32 document ids");
-  TORCH_CHECK_VALUE(num_epochs >= 1, "build_doc_index: num_epochs must be >= 1, got ", num_epochs);
-  TORCH_CHECK_VALUE(num_docs >= 0, "permutation size must be >= 0, got ", num_docs);
-  auto out = at::empty({num_docs * num_epochs}, at::TensorOptions().dtype(at::kInt));
-  int32_t* op = out.mutable_data_ptr<int32_t>();
-  for (int64_t e = 0; e < num_epochs; ++e) {
-    permutation_into<int32_t>(num_docs, uint64_t(seed), uint64_t(e), op + e * num_docs);
+  if (out.scalar_type() == at::kInt) {
+    TORCH_CHECK_VALUE(n <= (int64_t(1) << 31), "permutation: ", n, " indices do not fit an int32 output");
+    check_out(out, at::kInt, n, "permutation");
+    permutation_into<int32_t>(n, uint64_t(seed), uint64_t(stream), out.mutable_data_ptr<int32_t>());
+  } else {
+    check_out(out, at::kLong, n, "permutation");
+    permutation_into<int64_t>(n, uint64_t(seed), uint64_t(stream), out.mutable_data_ptr<int64_t>());
   }
-  return out;
 }
 
-// Row i = (first row of doc_index whose cumulative end exceeds i * seq_len, offset in that document).
+// Row i = (first row of doc_index whose cumulative end exceeds i * seq_len, offset in that document),
+// in one pass over doc_index that stops once the last sample is placed. For every row the slot of
+// the next sample is written unconditionally and the slot only advances when the sample's position
+// lies inside the row: a row that does not hold it leaves a value that the row which does overwrites
+// later (it starts at or before that position, after this one), so the common case has no
+// data-dependent branch. Only rows longer than what is left of a sample loop.
+// numpy's IndexError text, raised from a function of its own so the hot loop keeps no string code.
+[[noreturn]] __attribute__((noinline, cold)) void bad_document_id(int64_t id, int64_t n_docs) {
+  TORCH_CHECK_INDEX(false, "index ", id, " is out of bounds for axis 0 with size ", n_docs);
+  __builtin_unreachable();
+}
+
 template <typename len_t, typename idx_t>
-at::Tensor sample_index_impl(const len_t* lp, int64_t n_docs, const idx_t* dp, int64_t n_rows, int64_t seq_len,
-                             int64_t num_samples) {
-  // ends[r] = tokens in rows 0..r; the only random access is the gather of lengths by doc_index.
-  std::vector<int64_t> ends(n_rows);
-  int64_t total = 0;
-  constexpr int64_t kAhead = 32;  // prefetch distance: the gather is latency-bound without it
-  for (int64_t r = 0; r < n_rows; ++r) {
+void sample_index_impl(const len_t* __restrict__ lp, const int64_t n_docs, const idx_t* __restrict__ dp,
+                       const int64_t n_rows, const int64_t seq_len, const int64_t num_samples,
+                       int64_t* __restrict__ op) {
+  constexpr int64_t kAhead = 32;  // prefetch distance: the gather of lengths is latency-bound without it
+  int64_t total = 0, pos = 0, k = 0, r = 0;
+  for (; r < n_rows; ++r) {
     if (r + kAhead < n_rows) {
-      const int64_t ahead = static_cast<int64_t>(dp[r + kAhead]);
-      if (ahead >= 0 && ahead < n_docs) __builtin_prefetch(lp + ahead);
+      const uint64_t ahead = static_cast<uint64_t>(static_cast<int64_t>(dp[r + kAhead]));
+      __builtin_prefetch(lp + (ahead < static_cast<uint64_t>(n_docs) ? ahead : 0));
     }
     int64_t d = static_cast<int64_t>(dp[r]);
-    if (d < 0) d += n_docs;  // numpy's negative indexing
-    TORCH_CHECK_INDEX(d >= 0 && d < n_docs, "index ", static_cast<int64_t>(dp[r]),
-                      " is out of bounds for axis 0 with size ", n_docs);
-    total += static_cast<int64_t>(lp[d]);
-    ends[r] = total;
-  }
-  TORCH_CHECK_VALUE(num_samples * seq_len < total, "build_sample_index: ", num_samples, " samples of ", seq_len,
-                    "+1 tokens need more than the ", total, " tokens in doc_index");
-  auto out = at::empty({num_samples + 1, 2}, at::TensorOptions().dtype(at::kLong));
-  int64_t* op = out.mutable_data_ptr<int64_t>();
-  at::parallel_for(0, num_samples + 1, 16384, [&](int64_t begin, int64_t end) {
-    // Positions increase with i, so after one binary search the row only walks forward.
-    int64_t pos = begin * seq_len;
-    int64_t r = std::upper_bound(ends.begin(), ends.end(), pos) - ends.begin();
-    for (int64_t i = begin; i < end; ++i, pos += seq_len) {
-      while (ends[r] <= pos) ++r;
-      op[2 * i] = r;
-      op[2 * i + 1] = pos - (r == 0 ? 0 : ends[r - 1]);  // the row's start
+    d += d < 0 ? n_docs : 0;  // numpy's negative indexing
+    if (__builtin_expect(static_cast<uint64_t>(d) >= static_cast<uint64_t>(n_docs), 0)) {
+      bad_document_id(static_cast<int64_t>(dp[r]), n_docs);
     }
-  });
+    const int64_t start = total;
+    total += static_cast<int64_t>(lp[d]);
+    op[2 * k] = r;
+    op[2 * k + 1] = pos - start;
+    const bool inside = pos < total;
+    k += inside;
+    pos += inside ? seq_len : 0;
+    if (k > num_samples) break;
+    while (pos < total) {  // a row holding more than one sample start
+      op[2 * k] = r;
+      op[2 * k + 1] = pos - start;
+      pos += seq_len;
+      if (++k > num_samples) break;
+    }
+    if (k > num_samples) break;
+  }
+  if (k <= num_samples) {  // every row was read, so total is the whole of doc_index
+    TORCH_CHECK_VALUE(false, "build_sample_index: ", num_samples, " samples of ", seq_len,
+                      "+1 tokens need more than the ", total, " tokens in doc_index");
+  }
+  // The reference gathers every row, so it rejects a bad id anywhere, also past the last sample.
+  for (++r; r < n_rows; ++r) {
+    const int64_t d = static_cast<int64_t>(dp[r]);
+    if (d < -n_docs || d >= n_docs) bad_document_id(d, n_docs);
+  }
   op[0] = op[1] = 0;  // Megatron starts at (0, 0) even when the first document is empty (same tokens)
-  return out;
 }
 
-at::Tensor build_sample_index(const at::Tensor& doc_lengths_in, const at::Tensor& doc_index_in, int64_t seq_len,
-                              int64_t num_samples) {
+void build_sample_index(const at::Tensor& doc_lengths_in, const at::Tensor& doc_index_in, int64_t seq_len,
+                        int64_t num_samples, const at::Tensor& out) {
   TORCH_CHECK_VALUE(seq_len >= 1 && num_samples >= 0, "build_sample_index: seq_len=", seq_len,
                     " must be >= 1 and num_samples=", num_samples, " >= 0");
+  check_out(out, at::kLong, 2 * (num_samples + 1), "build_sample_index");
   // int32 and int64 are read as they are (no widened copies of million-entry tables).
   auto lengths = doc_lengths_in.scalar_type() == at::kInt ? doc_lengths_in.contiguous()
                                                             : doc_lengths_in.to(at::kLong).contiguous();
   auto index = doc_index_in.scalar_type() == at::kInt ? doc_index_in.contiguous()
                                                        : doc_index_in.to(at::kLong).contiguous();
   const int64_t n_docs = lengths.numel(), n_rows = index.numel();
+  int64_t* op = out.mutable_data_ptr<int64_t>();
   auto with_index = [&](auto lp) {
     if (index.scalar_type() == at::kInt) {
-      return sample_index_impl(lp, n_docs, index.const_data_ptr<int32_t>(), n_rows, seq_len, num_samples);
+      sample_index_impl(lp, n_docs, index.const_data_ptr<int32_t>(), n_rows, seq_len, num_samples, op);
+    } else {
+      sample_index_impl(lp, n_docs, index.const_data_ptr<int64_t>(), n_rows, seq_len, num_samples, op);
     }
-    return sample_index_impl(lp, n_docs, index.const_data_ptr<int64_t>(), n_rows, seq_len, num_samples);
   };
-  if (lengths.scalar_type() == at::kInt) return with_index(lengths.const_data_ptr<int32_t>());
-  return with_index(lengths.const_data_ptr<int64_t>());
+  if (lengths.scalar_type() == at::kInt) {
+    with_index(lengths.const_data_ptr<int32_t>());
+  } else {
+    with_index(lengths.const_data_ptr<int64_t>());
+  }
+}
+
+// Greedy blending with the dataset count a compile-time constant: the argmax and the count update
+// are branch-free selects over registers (which dataset wins is data-dependent and would mispredict
+// as a branch). Counts are kept as doubles, exact below 2**53, which is also how the reference
+// subtracts them.
+template <int N>
+void blend_fixed(const double* w_in, int64_t size, int16_t* di, int64_t* dsi) {
+  double w[N], c[N];
+  for (int d = 0; d < N; ++d) {
+    w[d] = w_in[d];
+    c[d] = 0.0;
+  }
+  for (int64_t i = 0; i < size; ++i) {
+    const double x = static_cast<double>(i > 1 ? i : 1);
+    int best = 0;
+    double best_err = w[0] * x - c[0];
+    for (int d = 1; d < N; ++d) {
+      const double err = w[d] * x - c[d];
+      const bool better = err > best_err;  // strict: the lowest d wins a tie
+      best = better ? d : best;
+      best_err = better ? err : best_err;
+    }
+    double chosen = 0.0;
+    for (int d = 0; d < N; ++d) {
+      chosen = d == best ? c[d] : chosen;
+      c[d] += d == best ? 1.0 : 0.0;
+    }
+    di[i] = static_cast<int16_t>(best);
+    dsi[i] = static_cast<int64_t>(chosen);
+  }
+}
+
+void blend_any(const double* w, int64_t n, int64_t size, int16_t* di, int64_t* dsi) {
+  std::vector<double> c(n, 0.0);
+  for (int64_t i = 0; i < size; ++i) {
+    const double x = static_cast<double>(i > 1 ? i : 1);
+    int64_t best = 0;
+    double best_err = w[0] * x - c[0];
+    for (int64_t d = 1; d < n; ++d) {
+      const double err = w[d] * x - c[d];
+      const bool better = err > best_err;
+      best = better ? d : best;
+      best_err = better ? err : best_err;
+    }
+    di[i] = static_cast<int16_t>(best);
+    dsi[i] = static_cast<int64_t>(c[best]);
+    c[best] += 1.0;
+  }
 }
 
 // Greedy blending over normalised weights (normalisation stays in numpy so the sum matches).
-std::tuple<at::Tensor, at::Tensor> build_blending_index(const at::Tensor& weights_in, int64_t size) {
+void build_blending_index(const at::Tensor& weights_in, int64_t size, const at::Tensor& dataset_index,
+                          const at::Tensor& dataset_sample_index) {
   auto weights = weights_in.to(at::kDouble).contiguous();
   const int64_t n = weights.numel();
   TORCH_CHECK_VALUE(n >= 1 && n <= 32767, "build_blending_index: need 1..32767 datasets, got ", n);
   TORCH_CHECK_VALUE(size >= 0, "build_blending_index: size must be >= 0, got ", size);
+  check_out(dataset_index, at::kShort, size, "build_blending_index");
+  check_out(dataset_sample_index, at::kLong, size, "build_blending_index");
   const double* w = weights.const_data_ptr<double>();
-  auto dataset_index = at::empty({size}, at::TensorOptions().dtype(at::kShort));
-  auto dataset_sample_index = at::empty({size}, at::TensorOptions().dtype(at::kLong));
   int16_t* di = dataset_index.mutable_data_ptr<int16_t>();
   int64_t* dsi = dataset_sample_index.mutable_data_ptr<int64_t>();
-  std::vector<int64_t> counts(n, 0);
-  for (int64_t i = 0; i < size; ++i) {
-    const double x = static_cast<double>(std::max<int64_t>(i, 1));
-    int64_t best = 0;
-    double best_err = w[0] * x - static_cast<double>(counts[0]);
-    for (int64_t d = 1; d < n; ++d) {
-      const double err = w[d] * x - static_cast<double>(counts[d]);
-      if (err > best_err) {
-        best = d;
-        best_err = err;
-      }
-    }
-    di[i] = static_cast<int16_t>(best);
-    dsi[i] = counts[best]++;
+  switch (n) {
+    case 1: return blend_fixed<1>(w, size, di, dsi);
+    case 2: return blend_fixed<2>(w, size, di, dsi);
+    case 3: return blend_fixed<3>(w, size, di, dsi);
+    case 4: return blend_fixed<4>(w, size, di, dsi);
+    case 5: return blend_fixed<5>(w, size, di, dsi);
+    case 6: return blend_fixed<6>(w, size, di, dsi);
+    case 7: return blend_fixed<7>(w, size, di, dsi);
+    case 8: return blend_fixed<8>(w, size, di, dsi);
+    default: return blend_any(w, n, size, di, dsi);
   }
-  return {dataset_index, dataset_sample_index};
 }
 
 }  // namespace
 
-// Defined with their kernels (a catch-all registration): some take no tensor at all, so there is no
-// dispatch key to route on, and none of them is differentiable.
+// Defined with their kernels (a catch-all registration): some take no input tensor at all, so there
+// is no dispatch key to route on, and none of them is differentiable. Each writes into outputs the
+// caller allocated (see check_out).
 TORCH_LIBRARY(amsp_index, m) {
-  m.def("permutation(int n, int seed, int stream) -> Tensor", &permutation);
-  m.def("build_doc_index(int num_docs, int num_epochs, int seed) -> Tensor", &build_doc_index);
-  m.def("build_sample_index(Tensor doc_lengths, Tensor doc_index, int seq_len, int num_samples) -> Tensor",
-        &build_sample_index);
-  m.def("build_blending_index(Tensor weights, int size) -> (Tensor, Tensor)", &build_blending_index);
+  m.def("permutation(int n, int seed, int stream, Tensor(a!) out) -> ()", &permutation);
+  m.def("build_sample_index(Tensor doc_lengths, Tensor doc_index, int seq_len, int num_samples, "
+        "Tensor(a!) out) -> ()", &build_sample_index);
+  m.def("build_blending_index(Tensor weights, int size, Tensor(a!) dataset_index, "
+        "Tensor(b!) dataset_sample_index) -> ()", &build_blending_index);
 }

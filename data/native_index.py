@@ -2,7 +2,9 @@
 
 Thin wrapper over `torch.ops.amsp_index.*` (csrc/index_helpers.cpp). Each function has the same
 signature, output dtypes and error messages as its reference and is bit-identical to it (tests in
-tests/csrc/test_native_index.py). `native()` builds/loads the extension on first use and returns
+tests/csrc/test_native_index.py). Outputs are allocated here with numpy and filled in place by C++:
+numpy requests transparent huge pages for large arrays, which makes their first-touch page faults
+several times cheaper than torch's 4 KiB-page allocations (a large share of these builders' time). `native()` builds/loads the extension on first use and returns
 this module, or None when the extension is unavailable (the loader has then warned once);
 index_builders logs once which implementation it uses.
 """
@@ -47,7 +49,9 @@ def unavailable_reason() -> str | None:
 def _permutation(n: int, seed: int, stream: int) -> np.ndarray:
     if n < 0:
         raise ValueError(f"permutation size must be >= 0, got {n}")
-    return torch.ops.amsp_index.permutation(n, _as_int64(seed), _as_int64(stream)).numpy()
+    out = np.empty(n, dtype=np.int64)
+    torch.ops.amsp_index.permutation(n, _as_int64(seed), _as_int64(stream), torch.from_numpy(out))
+    return out
 
 
 def shuffle_order(n: int, seed: int, epoch: int) -> np.ndarray:
@@ -61,7 +65,11 @@ def build_doc_index(num_docs: int, num_epochs: int, seed: int) -> np.ndarray:
         raise ValueError(f"build_doc_index: num_epochs must be >= 1, got {num_epochs}")
     if num_docs < 0:
         raise ValueError(f"permutation size must be >= 0, got {num_docs}")
-    return torch.ops.amsp_index.build_doc_index(num_docs, num_epochs, _as_int64(seed)).numpy()
+    out = np.empty(num_docs * num_epochs, dtype=np.int32)
+    for epoch in range(num_epochs):  # one independent shuffle per epoch, as in the reference
+        torch.ops.amsp_index.permutation(num_docs, _as_int64(seed), epoch,
+                                         torch.from_numpy(out[epoch * num_docs:(epoch + 1) * num_docs]))
+    return out
 
 
 def build_sample_index(doc_lengths: np.ndarray, doc_index: np.ndarray, seq_len: int,
@@ -71,8 +79,10 @@ def build_sample_index(doc_lengths: np.ndarray, doc_index: np.ndarray, seq_len: 
     # int32 and int64 tables go to C++ as they are; anything else is widened like the reference does.
     lengths, index = (np.ascontiguousarray(a if np.asarray(a).dtype in (np.int32, np.int64) else
                                            np.asarray(a, dtype=np.int64)) for a in (doc_lengths, doc_index))
-    return torch.ops.amsp_index.build_sample_index(torch.from_numpy(lengths), torch.from_numpy(index),
-                                                   seq_len, num_samples).numpy()
+    out = np.empty((num_samples + 1, 2), dtype=np.int64)
+    torch.ops.amsp_index.build_sample_index(torch.from_numpy(lengths), torch.from_numpy(index), seq_len,
+                                            num_samples, torch.from_numpy(out))
+    return out
 
 
 def build_shuffle_index(num_samples: int, seed: int) -> np.ndarray:
@@ -86,5 +96,7 @@ def build_blending_index(weights: np.ndarray, size: int) -> tuple[np.ndarray, np
                          f"numbers, got {w.tolist()}")
     # Normalised here, by numpy, so the rounding of the sum is the reference's exactly.
     w = w / w.sum()
-    dataset_index, sample_index = torch.ops.amsp_index.build_blending_index(torch.from_numpy(w), size)
-    return dataset_index.numpy(), sample_index.numpy()
+    dataset_index, sample_index = np.empty(size, dtype=np.int16), np.empty(size, dtype=np.int64)
+    torch.ops.amsp_index.build_blending_index(torch.from_numpy(w), size, torch.from_numpy(dataset_index),
+                                              torch.from_numpy(sample_index))
+    return dataset_index, sample_index

@@ -69,7 +69,23 @@ def test_sample_index_errors_match(native):
         assert str(got.value) == str(want.value)
 
 
-@pytest.mark.parametrize("n_datasets", [1, 2, 3, 10])
+def test_sample_index_rejects_bad_document_ids_like_numpy(native):
+    # The native builder stops reading doc_index once the last sample is placed, yet must still
+    # reject an out-of-range id anywhere in it (the reference gathers every row); negative ids wrap.
+    lengths = np.array([5, 3, 4, 6])
+    for bad_row, bad_id in ((0, 4), (3, 7), (3, -5), (1, 2**31 - 1)):
+        doc_index = np.array([0, 1, 2, 3], dtype=np.int32)
+        doc_index[bad_row] = bad_id
+        with pytest.raises(IndexError) as want:
+            ref.build_sample_index(lengths, doc_index, 2, 2)
+        with pytest.raises(IndexError) as got:
+            native.build_sample_index(lengths, doc_index, 2, 2)
+        assert str(got.value) == str(want.value)
+    wrapped = np.array([-1, -4, 1, 2], dtype=np.int64)
+    _same(native.build_sample_index(lengths, wrapped, 3, 5), ref.build_sample_index(lengths, wrapped, 3, 5))
+
+
+@pytest.mark.parametrize("n_datasets", [1, 2, 3, 8, 9, 10])
 def test_blending_index_identical(native, n_datasets):
     rng = np.random.default_rng(n_datasets)
     for weights in (rng.random(n_datasets) + 1e-3, np.ones(n_datasets), rng.integers(1, 9, n_datasets)):
