@@ -8,7 +8,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>  // the current stream only: CUDAContext.h would pull in cuBLAS/cuSPARSE headers
 #include <c10/cuda/CUDAException.h>
 #include <torch/library.h>
 
@@ -114,7 +114,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_fwd_cuda(const at::Tensor& x_in, con
   auto y = at::empty_like(x);
   auto rstd = at::empty({N}, x.options().dtype(at::toOpMathType(x.scalar_type())));
   if (N == 0) return {y, rstd};
-  auto stream = at::cuda::getCurrentCUDAStream();
+  auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_fwd_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     rms_fwd_kernel<scalar_t, acc_t><<<N, kThreads, 0, stream>>>(
@@ -135,7 +135,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cuda(const at::Tensor& dy_in, co
   auto dx = at::empty_like(x);
   auto dw = at::zeros({D}, x.options().dtype(rstd.scalar_type()));
   if (N > 0) {
-    auto stream = at::cuda::getCurrentCUDAStream();
+    auto stream = c10::cuda::getCurrentCUDAStream();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_bwd_cuda", [&] {
       using acc_t = at::opmath_type<scalar_t>;
       rms_bwd_dx_kernel<scalar_t, acc_t><<<N, kThreads, 0, stream>>>(
@@ -180,7 +180,7 @@ at::Tensor rope_rotate_cuda(const at::Tensor& x_in, const at::Tensor& cos_in, co
   const int blocks = static_cast<int>(std::min<int64_t>((n_pairs + kThreads - 1) / kThreads, 65535));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    rope_kernel<scalar_t, acc_t><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+    rope_kernel<scalar_t, acc_t><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         x.const_data_ptr<scalar_t>(), cs.const_data_ptr<acc_t>(), sn.const_data_ptr<acc_t>(),
         out.mutable_data_ptr<scalar_t>(), n_pairs, S, H, D2, inverse ? acc_t(-1) : acc_t(1));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -230,7 +230,7 @@ at::Tensor swiglu_fwd_cuda(const at::Tensor& a_in, const at::Tensor& b_in) {
   if (n == 0) return y;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "swiglu_fwd_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    swiglu_fwd_kernel<scalar_t, acc_t><<<elementwise_blocks(n), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+    swiglu_fwd_kernel<scalar_t, acc_t><<<elementwise_blocks(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         a.const_data_ptr<scalar_t>(), b.const_data_ptr<scalar_t>(), y.mutable_data_ptr<scalar_t>(), n);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -248,7 +248,7 @@ std::tuple<at::Tensor, at::Tensor> swiglu_bwd_cuda(const at::Tensor& dy_in, cons
   if (n == 0) return {da, db};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "swiglu_bwd_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    swiglu_bwd_kernel<scalar_t, acc_t><<<elementwise_blocks(n), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+    swiglu_bwd_kernel<scalar_t, acc_t><<<elementwise_blocks(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         dy.const_data_ptr<scalar_t>(), a.const_data_ptr<scalar_t>(), b.const_data_ptr<scalar_t>(),
         da.mutable_data_ptr<scalar_t>(), db.mutable_data_ptr<scalar_t>(), n);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -314,7 +314,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_fwd_cuda(
     auto hc = h.narrow(0, c0, C);
     auto logits = at::mm(hc, w.t()).to(acc_type).contiguous();
     AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "linear_cross_entropy_cuda", [&] {
-      ce_rows_kernel<scalar_t><<<C, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      ce_rows_kernel<scalar_t><<<C, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
           logits.mutable_data_ptr<scalar_t>(), targets.const_data_ptr<int64_t>() + c0,
           row_loss.mutable_data_ptr<scalar_t>() + c0, V, ignore_index, static_cast<scalar_t>(scale), compute_grad);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
