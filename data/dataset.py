@@ -2,9 +2,13 @@
 
 A split is a contiguous range of an indexed dataset's documents. Its documents are visited epoch
 after epoch, each epoch in its own seeded order (build_doc_index), laid end to end and cut into
-samples of seq_len + 1 tokens that share one token with the next (build_sample_index); the samples
-are then visited in a seeded order (build_shuffle_index). The three index arrays are cached on disk,
-keyed by everything they depend on.
+samples of seq_len + 1 tokens that share one token with the next (build_sample_index). A sample
+belongs to the epoch its first token lies in; the samples are visited epoch by epoch, each epoch's
+in its own seeded order (build_epoch_shuffle_index). Nothing about epoch e depends on how many
+epochs are built, so a run resumed with a larger max_steps sees exactly the samples, in the same
+order, that it would have seen had it been launched that long (the last sample of an epoch reads
+into the next epoch's documents, so one more epoch of documents is indexed than of samples). The
+three index arrays are cached on disk, keyed by everything they depend on.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from data.errors import DataError
 from data.indexed_dataset import IndexedDataset, idx_path
 
 log = logging.getLogger(__name__)
-_INDEX_VERSION = 1  # bump when the index recipe changes, so stale caches are not reused
+_INDEX_VERSION = 2  # bump when the index recipe changes, so stale caches are not reused
 
 
 def split_documents(num_docs: int, weights: list[float], where: str) -> list[tuple[int, int]]:
@@ -42,10 +46,18 @@ def split_documents(num_docs: int, weights: list[float], where: str) -> list[tup
 
 
 def epochs_needed(tokens_per_epoch: int, seq_len: int, num_samples: int) -> int:
-    """Fewest epochs whose token stream holds num_samples samples (each needs seq_len new tokens + 1)."""
+    """Fewest epochs that hold num_samples samples (sample i starts at token i * seq_len of the stream
+    and belongs to the epoch it starts in)."""
     if tokens_per_epoch <= 0:
         raise ValueError("epochs_needed: the split has no tokens")
-    return max(1, -(-(num_samples * seq_len + 1) // tokens_per_epoch))
+    return (max(num_samples, 1) - 1) * seq_len // tokens_per_epoch + 1
+
+
+def epoch_sample_bounds(tokens_per_epoch: int, seq_len: int, num_epochs: int) -> np.ndarray:
+    """b[e] = the first sample that starts in epoch e or later (ceil(e * tokens / seq_len)), e = 0..num_epochs;
+    epoch e's samples are [b[e], b[e + 1])."""
+    e = np.arange(num_epochs + 1, dtype=np.int64)
+    return -(-(e * tokens_per_epoch) // seq_len)
 
 
 @dataclass
@@ -68,9 +80,12 @@ class GPTDataset:
             raise DataError(idx_path(indexed.prefix), f"the {name} split (documents {self.doc_start}..{self.doc_end}) "
                                                       "has no tokens")
         self.num_epochs = epochs_needed(tokens, seq_len, num_samples)
-        # Every sample the chosen epochs hold is indexed, so the order depends on the epoch count,
-        # not on the exact number of samples asked for.
-        self.num_samples = (self.num_epochs * tokens - 1) // seq_len
+        # Every sample that starts in the chosen epochs is indexed, whatever the exact number asked for.
+        self.epoch_bounds = epoch_sample_bounds(tokens, seq_len, self.num_epochs)
+        self.num_samples = int(self.epoch_bounds[-1])
+        # The last sample's final token lies in a later epoch of documents (the next one, or several
+        # when an epoch is shorter than a sample).
+        self.doc_epochs = self.num_samples * seq_len // tokens + 1
         inputs = {"v": _INDEX_VERSION, "idx": file_identity(idx_path(indexed.prefix)), "docs": list(doc_range),
                   "seq_len": seq_len, "epochs": self.num_epochs, "seed": seed}
         self.index = _load_or_build(cache_dir / "index" / cache_key(inputs), inputs,
@@ -80,9 +95,9 @@ class GPTDataset:
                  seq_len)
 
     def _build(self, seed: int) -> SampleIndex:
-        doc_index = index_builders.build_doc_index(len(self.doc_lengths), self.num_epochs, seed)
+        doc_index = index_builders.build_doc_index(len(self.doc_lengths), self.doc_epochs, seed)
         sample_index = index_builders.build_sample_index(self.doc_lengths, doc_index, self.seq_len, self.num_samples)
-        shuffle_index = index_builders.build_shuffle_index(self.num_samples, seed)
+        shuffle_index = index_builders.build_epoch_shuffle_index(np.diff(self.epoch_bounds), seed)
         return SampleIndex(doc_index, sample_index, shuffle_index)
 
     def __len__(self) -> int:

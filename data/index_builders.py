@@ -13,8 +13,9 @@ Hash rule (shared by shuffle_order and build_shuffle_index), all arithmetic modu
     key(seed, stream, i) = splitmix64(splitmix64(splitmix64(seed) ^ stream) ^ i)
 A permutation of range(n) is the stable argsort of key(seed, stream, i) for i in range(n) (ties,
 which need a 64-bit collision, keep index order). shuffle_order uses stream = epoch;
-build_shuffle_index uses stream = SAMPLE_STREAM, a value no epoch reaches. Seeds and epochs are
-taken modulo 2**64.
+build_shuffle_index uses stream = SAMPLE_STREAM, a value no epoch reaches, and
+build_epoch_shuffle_index uses SAMPLE_STREAM - e for its block e (counting down, so the two ranges
+of streams never meet). Seeds and epochs are taken modulo 2**64.
 """
 from __future__ import annotations
 
@@ -122,6 +123,27 @@ def build_shuffle_index(num_samples: int, seed: int) -> np.ndarray:
     if (native := _native()) is not None:
         return native.build_shuffle_index(num_samples, seed)
     return _permutation(num_samples, seed, SAMPLE_STREAM)
+
+
+def build_epoch_shuffle_index(epoch_sizes, seed: int) -> np.ndarray:
+    """Global sample order (int64) that visits epoch blocks in turn.
+
+    Block e is the next epoch_sizes[e] sample ids; it is permuted by key(seed, SAMPLE_STREAM - e, .)
+    and offset to its place. Each block's order depends only on (seed, e, its size), so building
+    more epochs never changes the order of the earlier ones (a run extended with a larger
+    max_steps sees the same samples up to where it stopped), and block 0 is build_shuffle_index.
+    """
+    sizes = [int(n) for n in epoch_sizes]
+    if any(n < 0 for n in sizes):
+        raise ValueError(f"build_epoch_shuffle_index: block sizes must be >= 0, got {sizes}")
+    if (native := _native()) is not None:
+        return native.build_epoch_shuffle_index(sizes, seed)
+    out = np.empty(sum(sizes), dtype=np.int64)
+    start = 0
+    for e, n in enumerate(sizes):
+        out[start:start + n] = _permutation(n, seed, SAMPLE_STREAM - e) + start
+        start += n
+    return out
 
 
 def build_blending_index(weights: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:

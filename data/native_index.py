@@ -89,6 +89,17 @@ def build_shuffle_index(num_samples: int, seed: int) -> np.ndarray:
     return _permutation(num_samples, seed, SAMPLE_STREAM)
 
 
+def build_epoch_shuffle_index(epoch_sizes: list[int], seed: int) -> np.ndarray:
+    out = np.empty(sum(epoch_sizes), dtype=np.int64)
+    start = 0
+    for e, n in enumerate(epoch_sizes):
+        block = out[start:start + n]
+        torch.ops.amsp_index.permutation(n, _as_int64(seed), _as_int64(SAMPLE_STREAM - e), torch.from_numpy(block))
+        block += start
+        start += n
+    return out
+
+
 def build_blending_index(weights: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim != 1 or len(w) == 0 or len(w) > 32767 or not np.all(np.isfinite(w)) or np.any(w <= 0):

@@ -44,6 +44,8 @@ def test_shuffle_index_and_doc_index_identical(native):
         _same(native.build_shuffle_index(n, seed), ref.build_shuffle_index(n, seed))
         epochs = int(rng.integers(1, 4))
         _same(native.build_doc_index(n, epochs, seed), ref.build_doc_index(n, epochs, seed))
+        sizes = [int(k) for k in rng.integers(0, 20_000, epochs)]
+        _same(native.build_epoch_shuffle_index(sizes, seed), ref.build_epoch_shuffle_index(sizes, seed))
 
 
 @pytest.mark.parametrize("seq_len", [1, 3, 128, 2048])

@@ -60,6 +60,21 @@ def test_shuffles_differ_by_seed_epoch_and_stream():
     assert not np.array_equal(a, ib.build_shuffle_index(1000, 1))
 
 
+def test_epoch_shuffle_index_blocks_are_independent_of_later_blocks():
+    sizes = [7, 0, 5, 9]
+    full = ib.build_epoch_shuffle_index(sizes, 3)
+    assert full.dtype == np.int64 and sorted(full.tolist()) == list(range(21))
+    start = 0
+    for e, n in enumerate(sizes):
+        block = full[start:start + n]
+        assert block.tolist() == (ib._permutation(n, 3, ib.SAMPLE_STREAM - e) + start).tolist()
+        start += n
+    assert np.array_equal(ib.build_epoch_shuffle_index(sizes[:2], 3), full[:7])  # fewer epochs: a prefix
+    assert np.array_equal(full[:7], ib.build_shuffle_index(7, 3))  # block 0 is the plain sample shuffle
+    with pytest.raises(ValueError, match=">= 0"):
+        ib.build_epoch_shuffle_index([3, -1], 3)
+
+
 def test_doc_index_concatenates_epochs():
     d = ib.build_doc_index(7, 3, 5)
     assert d.dtype == np.int32 and len(d) == 21

@@ -41,6 +41,31 @@ def test_index_is_cached_and_reused(dataset_prefix, tmp_path):
     assert len([e for e in (tmp_path / "index").iterdir() if e.is_dir()]) == 2
 
 
+def test_more_epochs_never_change_the_order_of_the_earlier_ones(dataset_prefix, tmp_path):
+    # A run resumed with a larger max_steps builds more epochs; the samples it already planned to see
+    # must come in the same order (each epoch is shuffled on its own, see data/dataset.py).
+    ind = IndexedDataset(dataset_prefix)
+    tokens = int(ind.doc_lengths.sum())
+    one_epoch = tokens // SEQ - 5
+    short = GPTDataset(ind, (0, ind.num_docs), SEQ, one_epoch, seed=9, cache_dir=tmp_path)
+    long = GPTDataset(ind, (0, ind.num_docs), SEQ, 3 * one_epoch, seed=9, cache_dir=tmp_path)
+    assert (short.num_epochs, long.num_epochs) == (1, 3) and len(long) > 2 * len(short)
+    for i in range(len(short)):
+        assert np.array_equal(short[i], long[i]), f"sample {i} differs"
+    # Epoch by epoch: every sample of epoch e comes before any of epoch e + 1, each exactly once.
+    order = np.asarray(long.index.shuffle_index)
+    b = long.epoch_bounds
+    for e in range(long.num_epochs):
+        assert sorted(order[b[e]:b[e + 1]].tolist()) == list(range(b[e], b[e + 1]))
+    # Epochs shorter than a sample (the fixture's last two documents are a few tokens) still index
+    # every sample's last token.
+    last_two = (ind.num_docs - 2, ind.num_docs)
+    assert int(ind.doc_lengths[last_two[0]:].sum()) < SEQ
+    tiny = GPTDataset(ind, last_two, SEQ, 50, seed=9, cache_dir=tmp_path)
+    assert len(tiny) >= 50 and all(tiny[i].shape == (SEQ + 1,) for i in range(len(tiny)))
+    assert tiny.doc_epochs > tiny.num_epochs + 1
+
+
 def _run(source, gbs, mbs, world, consumed, steps):
     """Micro-batches of `steps` steps for each rank, concatenated in global (rank) order per step."""
     loaders = [MicroBatchLoader(source, gbs, mbs, r, world, consumed_samples=consumed) for r in range(world)]
