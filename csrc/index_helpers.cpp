@@ -240,52 +240,33 @@ void build_sample_index(const at::Tensor& doc_lengths_in, const at::Tensor& doc_
   }
 }
 
-// Greedy blending with the dataset count a compile-time constant: the argmax and the count update
-// are branch-free selects over registers (which dataset wins is data-dependent and would mispredict
-// as a branch). Counts are kept as doubles, exact below 2**53, which is also how the reference
-// subtracts them.
+// Greedy blending. The argmax and the count update are branch-free selects (which dataset wins is
+// data-dependent and would mispredict as a branch). N > 0 makes the dataset count a compile-time
+// constant, so the loops unroll and the counts live in registers; N == 0 takes any count. Counts are
+// doubles, exact below 2**53, which is also how the reference subtracts them.
 template <int N>
-void blend_fixed(const double* w_in, int64_t size, int16_t* di, int64_t* dsi) {
-  double w[N], c[N];
-  for (int d = 0; d < N; ++d) {
-    w[d] = w_in[d];
-    c[d] = 0.0;
-  }
-  for (int64_t i = 0; i < size; ++i) {
-    const double x = static_cast<double>(i > 1 ? i : 1);
-    int best = 0;
-    double best_err = w[0] * x - c[0];
-    for (int d = 1; d < N; ++d) {
-      const double err = w[d] * x - c[d];
-      const bool better = err > best_err;  // strict: the lowest d wins a tie
-      best = better ? d : best;
-      best_err = better ? err : best_err;
-    }
-    double chosen = 0.0;
-    for (int d = 0; d < N; ++d) {
-      chosen = d == best ? c[d] : chosen;
-      c[d] += d == best ? 1.0 : 0.0;
-    }
-    di[i] = static_cast<int16_t>(best);
-    dsi[i] = static_cast<int64_t>(chosen);
-  }
-}
-
-void blend_any(const double* w, int64_t n, int64_t size, int16_t* di, int64_t* dsi) {
-  std::vector<double> c(n, 0.0);
+void blend(const double* w, int64_t n_any, int64_t size, int16_t* di, int64_t* dsi) {
+  const int64_t n = N > 0 ? N : n_any;
+  double fixed[N > 0 ? N : 1] = {};
+  std::vector<double> dynamic(N > 0 ? 0 : n, 0.0);
+  double* c = N > 0 ? fixed : dynamic.data();
   for (int64_t i = 0; i < size; ++i) {
     const double x = static_cast<double>(i > 1 ? i : 1);
     int64_t best = 0;
     double best_err = w[0] * x - c[0];
     for (int64_t d = 1; d < n; ++d) {
       const double err = w[d] * x - c[d];
-      const bool better = err > best_err;
+      const bool better = err > best_err;  // strict: the lowest d wins a tie
       best = better ? d : best;
       best_err = better ? err : best_err;
     }
+    double chosen = 0.0;
+    for (int64_t d = 0; d < n; ++d) {
+      chosen = d == best ? c[d] : chosen;
+      c[d] += d == best ? 1.0 : 0.0;
+    }
     di[i] = static_cast<int16_t>(best);
-    dsi[i] = static_cast<int64_t>(c[best]);
-    c[best] += 1.0;
+    dsi[i] = static_cast<int64_t>(chosen);
   }
 }
 
@@ -302,15 +283,15 @@ void build_blending_index(const at::Tensor& weights_in, int64_t size, const at::
   int16_t* di = dataset_index.mutable_data_ptr<int16_t>();
   int64_t* dsi = dataset_sample_index.mutable_data_ptr<int64_t>();
   switch (n) {
-    case 1: return blend_fixed<1>(w, size, di, dsi);
-    case 2: return blend_fixed<2>(w, size, di, dsi);
-    case 3: return blend_fixed<3>(w, size, di, dsi);
-    case 4: return blend_fixed<4>(w, size, di, dsi);
-    case 5: return blend_fixed<5>(w, size, di, dsi);
-    case 6: return blend_fixed<6>(w, size, di, dsi);
-    case 7: return blend_fixed<7>(w, size, di, dsi);
-    case 8: return blend_fixed<8>(w, size, di, dsi);
-    default: return blend_any(w, n, size, di, dsi);
+    case 1: return blend<1>(w, n, size, di, dsi);
+    case 2: return blend<2>(w, n, size, di, dsi);
+    case 3: return blend<3>(w, n, size, di, dsi);
+    case 4: return blend<4>(w, n, size, di, dsi);
+    case 5: return blend<5>(w, n, size, di, dsi);
+    case 6: return blend<6>(w, n, size, di, dsi);
+    case 7: return blend<7>(w, n, size, di, dsi);
+    case 8: return blend<8>(w, n, size, di, dsi);
+    default: return blend<0>(w, n, size, di, dsi);
   }
 }
 
