@@ -7,8 +7,10 @@ Resident per rank (S = padded numel):
 Transient: `full` (S, compute dtype, only when p > 1) holds the gathered weights between a gather
 and the matching free; its storage is resized to 0 when freed, so the parameter views and the
 tensors autograd saved in forward keep pointing at it and see the re-gathered data in backward.
-The fp32 master is never used as the compute weights (even for fp32 with p == os): one rule, and
-the memory formula is then exactly (param_bytes/p + 4/g + 12/os) per element.
+With fp32 compute weights the master is not a tensor of its own but a view of the rank's OS chunk
+inside its P shard (nesting puts it there): the optimizer then updates that chunk of the weights in
+place and the spread brings the rest. The memory is exactly (param_bytes/p + 4/g +
+Precision.optim_bytes/os) per element: 4/p + 4/g + 8/os in fp32, 2/p + 4/g + 12/os in bf16.
 """
 from __future__ import annotations
 
@@ -48,10 +50,15 @@ class FlatUnit:
         lay = self.layout
         self.p_shard = torch.empty(lay.p_size, dtype=compute_dtype, device=device)
         self.g_shard = torch.zeros(lay.g_size, dtype=torch.float32, device=device)
-        self.master = torch.empty(lay.chunk, dtype=torch.float32, device=device)
+        self.os_lo, self.os_hi = lay.os_range(rank)
+        self.master_is_weights = compute_dtype == torch.float32
+        if self.master_is_weights:
+            lo, hi = lay.os_in_p(rank)
+            self.master = self.p_shard[lo:hi]
+        else:
+            self.master = torch.empty(lay.chunk, dtype=torch.float32, device=device)
         self.exp_avg = torch.zeros(lay.chunk, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros(lay.chunk, dtype=torch.float32, device=device)
-        self.os_lo, self.os_hi = lay.os_range(rank)
         self.decay_segments = self._decay_segments()
         self.replicas = world // deg.os  # ranks holding the same OS shard
         if deg.p > 1:
@@ -105,8 +112,8 @@ class FlatUnit:
     def resident_bytes(self) -> dict[str, int]:
         def b(t):
             return t.numel() * t.element_size()
-        return {"p": b(self.p_shard), "g": b(self.g_shard),
-                "os": b(self.master) + b(self.exp_avg) + b(self.exp_avg_sq)}
+        master = 0 if self.master_is_weights else b(self.master)  # else counted in p
+        return {"p": b(self.p_shard), "g": b(self.g_shard), "os": master + b(self.exp_avg) + b(self.exp_avg_sq)}
 
     # ---- P gather / free ----
     def start_gather(self, phase: str) -> None:
@@ -203,7 +210,8 @@ class FlatUnit:
     def launch_spread(self) -> None:
         src = self.master.to(self.compute_dtype)
         if self.deg.os == self.deg.p:
-            self._spread = (None, src)
+            # The OS shard is the whole P shard: copy it in, or nothing to do when it is the P shard.
+            self._spread = (None, None if self.master_is_weights else src)
             return
         recv = torch.empty(self.layout.p_size, dtype=self.compute_dtype, device=self.device)
         self._spread = (self.comm.all_gather(recv, src, self.groups.spread, "spread"), recv)
@@ -215,8 +223,9 @@ class FlatUnit:
         handle, recv = self._spread
         if handle is not None:
             handle.wait()
-        with self.comm.permute_timer():
-            self.layout.spread_to_p_order(recv, self.p_shard)
+        if recv is not None:
+            with self.comm.permute_timer():
+                self.layout.spread_to_p_order(recv, self.p_shard)
         self._spread = None
         self.version += 1
 

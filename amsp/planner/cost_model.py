@@ -162,6 +162,7 @@ class CostModel:
         self.B = workload.block_backward_flops() / self.rate
         self.head_F = workload.head_forward_flops() / self.rate
         self._pb = workload.precision.param_bytes
+        self._optim_b = workload.precision.optim_bytes
         self._gb = workload.precision.grad_bytes
         self._numel = workload.role_numel()
         self._cache: dict = {}
@@ -270,7 +271,9 @@ class CostModel:
 
         bwd_last = bwd(red)
         s = padded_numel(self._numel[role], deg)
-        opt = s // deg.os * (ADAM_BYTES_PER_ELEM + self._pb) / (self.c.memory_bandwidth_gbs * 1e9)
+        # fp32 weights are the master (updated in place): no separate compute-weight write
+        weight_write = 0 if self._optim_b == 8 else self._pb
+        opt = s // deg.os * (ADAM_BYTES_PER_ELEM + weight_write) / (self.c.memory_bandwidth_gbs * 1e9)
         exposed = {"forward": fwd_total, "backward": (m - 1) * bwd(0.0) + bwd_last, "spread": spread_exposed}
         raw = sum(x.seconds * x.count for x in cs.values())
         hidden = max(0.0, raw - sum(exposed.values()))
@@ -286,7 +289,7 @@ class CostModel:
 
     def state_parts(self, role: str, deg: Degrees) -> dict:
         s = padded_numel(self._numel[role], deg)
-        return {"params": s // deg.p * self._pb, "grads": s // deg.g * 4, "optim": s // deg.os * 12}
+        return {"params": s // deg.p * self._pb, "grads": s // deg.g * 4, "optim": s // deg.os * self._optim_b}
 
     def gathered_bytes(self, role: str, deg: Degrees) -> int:
         return padded_numel(self._numel[role], deg) * self._pb if deg.p > 1 else 0

@@ -82,8 +82,8 @@ def check_params(eng: AMSPEngine, ref_params: dict, tol: float, where: str) -> f
 
 
 def expected_resident(eng: AMSPEngine) -> int:
-    pb = eng.precision.param_bytes
-    return sum(u.layout.padded * pb // u.deg.p + 4 * u.layout.padded // u.deg.g + 12 * u.layout.padded // u.deg.os
+    pb, ob = eng.precision.param_bytes, eng.precision.optim_bytes
+    return sum(u.layout.padded * pb // u.deg.p + 4 * u.layout.padded // u.deg.g + ob * u.layout.padded // u.deg.os
                for u in eng.units)
 
 

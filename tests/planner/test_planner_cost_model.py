@@ -100,7 +100,8 @@ def test_group_terms_add_up_to_whole_plan(world, rpn, tied, spread):
 
 
 def test_model_state_bytes_follow_the_degrees():
-    """P in the compute dtype, G in fp32, OS 12 bytes (master, m, v), each divided by its degree."""
+    """P in the compute dtype, G in fp32, OS 12 bytes (master, m, v) or 8 in fp32 (the weights are the
+    master), each divided by its degree."""
     w = workload("tiny", precision="bf16")
     model = CostModel(w, flat_cluster(2, 8))
     n = w.params_per_rank()
@@ -110,6 +111,11 @@ def test_model_state_bytes_follow_the_degrees():
     padded = sum(-(-u.numel // 16) * 16 for u in w.units())
     assert (z3["params"], z3["grads"], z3["optim"]) == (2 * padded // 16, 4 * padded // 16, 12 * padded // 16)
     assert z3["gathered"] > 0 and ddp["gathered"] == 0  # gathered weights only when p > 1
+    # fp32: the weights are the master, so OS holds only the two moments (8 bytes).
+    w32 = workload("tiny", precision="fp32")
+    ddp32 = CostModel(w32, flat_cluster(2, 8)).evaluate(make_plan("ddp", 16, 8)).memory
+    n32 = w32.params_per_rank()
+    assert (ddp32["params"], ddp32["grads"], ddp32["optim"]) == (4 * n32, 4 * n32, 8 * n32)
 
 
 def test_activation_formula_and_recomputation_order():
