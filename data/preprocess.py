@@ -18,6 +18,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -37,7 +38,29 @@ _worker_tok: Tokenizer | None = None
 
 def _init_worker(model_file: str) -> None:
     global _worker_tok
+    # A forked worker inherits the parent's signal handlers: a training run's preemption handler (or a
+    # test runner's) only records SIGTERM, and a worker that swallows the SIGTERM Pool.terminate()
+    # sends on an input error never exits, so the pool's join waits forever. Workers take SIGTERM's
+    # default action, and ignore Slurm's USR1/USR2, which are meant for the training process. The
+    # parent blocks SIGTERM across the fork (_pool_with_default_sigterm), so none arrives before this.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     _worker_tok = Tokenizer(model_file)
+
+
+def _pool_with_default_sigterm(ctx, workers: int, model_file: str):
+    """ctx.Pool whose workers start with SIGTERM blocked until _init_worker has reset its handler (the
+    pool's helper threads, which may start replacement workers, inherit the blocked mask too)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        return ctx.Pool(workers, initializer=_init_worker, initargs=(model_file,))
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return ctx.Pool(workers, initializer=_init_worker, initargs=(model_file,))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def encode_chunk(texts: list[str], tok: Tokenizer | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -95,7 +118,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str, 
     max_id = -1
     bar = _progress(progress)
     try:
-        with ctx.Pool(workers, initializer=_init_worker, initargs=(tok.model_file,)) as pool:
+        with _pool_with_default_sigterm(ctx, workers, tok.model_file) as pool:
             window: collections.deque = collections.deque()
 
             def drain_one() -> None:

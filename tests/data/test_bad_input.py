@@ -62,6 +62,38 @@ def test_undecodable_bytes_leave_an_existing_dataset_untouched(tmp_path, tokeniz
     assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "b.jsonl", "out.bin", "out.idx", "out.json"]  # no temp files
 
 
+_PREEMPTED_PREPROCESS = """
+import signal, sys
+from data.errors import DataError
+from data.preprocess import preprocess
+caught = []
+signal.signal(signal.SIGTERM, lambda *a: caught.append(a[0]))  # like amsp.resilience.PreemptionHandler
+for _ in range(int(sys.argv[5])):  # the hang was a race: repeat to give it many chances
+    try:
+        preprocess(sys.argv[1:3], sys.argv[3], sys.argv[4], workers=2, progress=False)
+    except DataError as e:
+        print("DataError:", e)
+"""
+
+
+def test_bad_input_stops_the_pool_even_when_sigterm_is_handled(tmp_path, tokenizer_model):
+    # A training run holds a SIGTERM handler that only records the signal. Forked pool workers used
+    # to inherit it, so the SIGTERM that Pool.terminate() sends on an input error was swallowed and
+    # the pool's join waited forever. Run in a subprocess so a regression fails on the timeout.
+    import subprocess
+    import sys
+
+    good = write_jsonl(tmp_path / "a.jsonl", ["fine text " * 50] * 400)
+    bad = tmp_path / "b.jsonl"
+    bad.write_bytes(b'{"text": "ok"}\n{"text": "broken \xff\xfe bytes"}\n')
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    repeats = 20
+    proc = subprocess.run([sys.executable, "-c", _PREEMPTED_PREPROCESS, str(good), str(bad), str(tmp_path / "o"),
+                           tokenizer_model, str(repeats)], capture_output=True, text=True, timeout=180, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("undecodable bytes") == repeats, proc.stdout
+
+
 @pytest.mark.parametrize("damage, names", [
     ("truncate_bin", (".bin", "truncated or corrupt data")),
     ("truncate_idx", (".idx", "truncated or corrupt index")),
