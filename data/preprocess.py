@@ -54,13 +54,13 @@ def _init_worker(model_file: str) -> None:
 def _pool_with_default_sigterm(ctx, workers: int, model_file: str):
     """ctx.Pool whose workers start with SIGTERM blocked until _init_worker has reset its handler (the
     pool's helper threads, which may start replacement workers, inherit the blocked mask too)."""
-    if not hasattr(signal, "pthread_sigmask"):
-        return ctx.Pool(workers, initializer=_init_worker, initargs=(model_file,))
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    masks = hasattr(signal, "pthread_sigmask")  # POSIX; elsewhere there is no fork and no mask
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}) if masks else None
     try:
         return ctx.Pool(workers, initializer=_init_worker, initargs=(model_file,))
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        if masks:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def encode_chunk(texts: list[str], tok: Tokenizer | None = None) -> tuple[np.ndarray, np.ndarray]:
