@@ -30,12 +30,17 @@ class Precision:
     grad_bytes: int = 4  # gradient communication dtype (accumulation is always fp32)
 
     @property
+    def master_is_weights(self) -> bool:
+        """fp32 compute weights are the fp32 master: the master is the rank's OS chunk of its own P shard
+        (the nesting puts the OS shard inside the P shard) and the optimizer updates it in place."""
+        return self.param_bytes == 4
+
+    @property
     def optim_bytes(self) -> int:
         """Optimizer-state bytes per element held in the OS shard: exp_avg and exp_avg_sq, plus a
-        separate fp32 master unless the compute weights are fp32 themselves. Then the master is the
-        rank's OS chunk of its own P shard (the nesting puts the OS shard inside the P shard), so
-        fp32 DDP holds 16 bytes per parameter, like torch DDP + AdamW, not 20."""
-        return 8 if self.param_bytes == 4 else 12
+        separate fp32 master unless the weights are the master (so fp32 DDP holds 16 bytes per
+        parameter, like torch DDP + AdamW, not 20)."""
+        return 8 if self.master_is_weights else 12
 
     @classmethod
     def named(cls, name: str) -> "Precision":

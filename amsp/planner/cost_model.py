@@ -163,6 +163,7 @@ class CostModel:
         self.head_F = workload.head_forward_flops() / self.rate
         self._pb = workload.precision.param_bytes
         self._optim_b = workload.precision.optim_bytes
+        self._master_is_weights = workload.precision.master_is_weights
         self._gb = workload.precision.grad_bytes
         self._numel = workload.role_numel()
         self._cache: dict = {}
@@ -271,8 +272,8 @@ class CostModel:
 
         bwd_last = bwd(red)
         s = padded_numel(self._numel[role], deg)
-        # fp32 weights are the master (updated in place): no separate compute-weight write
-        weight_write = 0 if self._optim_b == 8 else self._pb
+        # weights that are the master are updated in place: no separate compute-weight write
+        weight_write = 0 if self._master_is_weights else self._pb
         opt = s // deg.os * (ADAM_BYTES_PER_ELEM + weight_write) / (self.c.memory_bandwidth_gbs * 1e9)
         exposed = {"forward": fwd_total, "backward": (m - 1) * bwd(0.0) + bwd_last, "spread": spread_exposed}
         raw = sum(x.seconds * x.count for x in cs.values())
