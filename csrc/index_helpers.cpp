@@ -145,9 +145,9 @@ void check_out(const at::Tensor& out, at::ScalarType dtype, int64_t numel, const
                     " elements, got ", out.scalar_type(), " of ", out.numel());
 }
 
-// Writes a permutation of range(n) into out (int32 or int64, n elements).
-void permutation(int64_t n, int64_t seed, int64_t stream, const at::Tensor& out) {
-  TORCH_CHECK_VALUE(n >= 0, "permutation size must be >= 0, got ", n);
+// Writes a permutation of range(out.numel()) into out (contiguous int32 or int64).
+void permutation(int64_t seed, int64_t stream, const at::Tensor& out) {
+  const int64_t n = out.numel();
   if (out.scalar_type() == at::kInt) {
     TORCH_CHECK_VALUE(n <= (int64_t(1) << 31), "permutation: ", n, " indices do not fit an int32 output");
     check_out(out, at::kInt, n, "permutation");
@@ -301,7 +301,7 @@ void build_blending_index(const at::Tensor& weights_in, int64_t size, const at::
 // is no dispatch key to route on, and none of them is differentiable. Each writes into outputs the
 // caller allocated (see check_out).
 TORCH_LIBRARY(amsp_index, m) {
-  m.def("permutation(int n, int seed, int stream, Tensor(a!) out) -> ()", &permutation);
+  m.def("permutation(int seed, int stream, Tensor(a!) out) -> ()", &permutation);
   m.def("build_sample_index(Tensor doc_lengths, Tensor doc_index, int seq_len, int num_samples, "
         "Tensor(a!) out) -> ()", &build_sample_index);
   m.def("build_blending_index(Tensor weights, int size, Tensor(a!) dataset_index, "

@@ -4,8 +4,8 @@ Thin wrapper over `torch.ops.amsp_index.*` (csrc/index_helpers.cpp). Each functi
 signature, output dtypes and error messages as its reference and is bit-identical to it (tests in
 tests/csrc/test_native_index.py). Outputs are allocated here with numpy and filled in place by C++:
 numpy requests transparent huge pages for large arrays, which makes their first-touch page faults
-several times cheaper than torch's 4 KiB-page allocations (a large share of these builders' time). `native()` builds/loads the extension on first use and returns
-this module, or None when the extension is unavailable (the loader has then warned once);
+several times cheaper than torch's 4 KiB-page allocations (a large share of these builders' time).
+`native()` builds/loads the extension on first use and returns this module, or None when the extension is unavailable (the loader has then warned once);
 index_builders logs once which implementation it uses.
 """
 from __future__ import annotations
@@ -46,12 +46,16 @@ def unavailable_reason() -> str | None:
     return why()
 
 
+def _permute_into(out: np.ndarray, seed: int, stream: int) -> np.ndarray:
+    """Fill out (a contiguous int32/int64 array or slice) with the permutation of range(len(out))."""
+    torch.ops.amsp_index.permutation(_as_int64(seed), _as_int64(stream), torch.from_numpy(out))
+    return out
+
+
 def _permutation(n: int, seed: int, stream: int) -> np.ndarray:
     if n < 0:
         raise ValueError(f"permutation size must be >= 0, got {n}")
-    out = np.empty(n, dtype=np.int64)
-    torch.ops.amsp_index.permutation(n, _as_int64(seed), _as_int64(stream), torch.from_numpy(out))
-    return out
+    return _permute_into(np.empty(n, dtype=np.int64), seed, stream)
 
 
 def shuffle_order(n: int, seed: int, epoch: int) -> np.ndarray:
@@ -67,8 +71,7 @@ def build_doc_index(num_docs: int, num_epochs: int, seed: int) -> np.ndarray:
         raise ValueError(f"permutation size must be >= 0, got {num_docs}")
     out = np.empty(num_docs * num_epochs, dtype=np.int32)
     for epoch in range(num_epochs):  # one independent shuffle per epoch, as in the reference
-        torch.ops.amsp_index.permutation(num_docs, _as_int64(seed), epoch,
-                                         torch.from_numpy(out[epoch * num_docs:(epoch + 1) * num_docs]))
+        _permute_into(out[epoch * num_docs:(epoch + 1) * num_docs], seed, epoch)
     return out
 
 
@@ -93,9 +96,7 @@ def build_epoch_shuffle_index(epoch_sizes: list[int], seed: int) -> np.ndarray:
     out = np.empty(sum(epoch_sizes), dtype=np.int64)
     start = 0
     for e, n in enumerate(epoch_sizes):
-        block = out[start:start + n]
-        torch.ops.amsp_index.permutation(n, _as_int64(seed), _as_int64(SAMPLE_STREAM - e), torch.from_numpy(block))
-        block += start
+        _permute_into(out[start:start + n], seed, SAMPLE_STREAM - e)[...] += start
         start += n
     return out
 
