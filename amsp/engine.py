@@ -54,7 +54,11 @@ def resolve_precision(name: str, device: torch.device) -> str:
 
 
 def resolve_grad_comm(name: str, compute_dtype: torch.dtype) -> torch.dtype:
-    table = {"auto": compute_dtype, "fp32": torch.float32, "bf16": torch.bfloat16}
+    """auto: fp32 whatever the compute dtype. A reduce-scatter sums in its wire dtype, so bf16 traffic
+    also means bf16 accumulation across ranks (8 bits of mantissa for a sum over the whole group);
+    Megatron and torchtitan reduce in fp32 by default for that reason. bf16 halves the gradient bytes
+    and stays available for links that are the bottleneck."""
+    table = {"auto": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16}
     if name not in table:
         raise ValueError(f"amsp.grad_comm={name!r} is not one of {'|'.join(table)}")
     return table[name]
@@ -63,8 +67,8 @@ def resolve_grad_comm(name: str, compute_dtype: torch.dtype) -> torch.dtype:
 @dataclass(frozen=True)
 class EngineOptions:
     precision: str = "auto"  # auto | fp32 | bf16 (compute weights and communication)
-    # Gradient collectives' dtype when it should differ from `precision` (e.g. fp32 compute with bf16
-    # gradient traffic, where bf16 matmuls are slow but links are the bottleneck); auto = precision's.
+    # Gradient collectives' dtype: auto = fp32 (reduction accumulates in fp32, as Megatron and torchtitan
+    # do); bf16 halves the traffic where links are the bottleneck, with bf16 accumulation across ranks.
     grad_comm: str = "auto"
     overlap_spread: bool = False  # spread overlaps the next step's forward, unit by unit
     prefetch: bool = True  # prefetch the next unit's P all-gather in forward and backward

@@ -136,7 +136,7 @@ class AMSPConfig:
     embed_head_os: Optional[int] = None
     ranks_per_node: Optional[int] = None  # default: the launcher's LOCAL_WORLD_SIZE; set to pose as nodes
     precision: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | fp32 | bf16: compute weights + communication
-    grad_comm: str = "auto"  # gradient collectives' dtype: auto (= precision) | fp32 | bf16
+    grad_comm: str = "auto"  # gradient collectives' dtype: auto (= fp32: reduction accumulates in fp32) | fp32 | bf16
     overlap_spread: bool = False  # overlap the parameter spread with the next step's forward
     prefetch: bool = True  # prefetch the next unit's parameter all-gather
     planner: PlannerConfig = field(default_factory=PlannerConfig)  # used when plan=auto

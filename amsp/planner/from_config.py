@@ -57,12 +57,12 @@ def precision_name(cfg: DictConfig, cluster: ClusterSpec) -> str:
 
 
 def _precision(cfg: DictConfig, cluster: ClusterSpec) -> Precision:
-    # As the engine: parameters in the compute dtype, gradients in amsp.grad_comm (auto = the same).
+    # As the engine: parameters in the compute dtype, gradients in amsp.grad_comm (auto = fp32, see
+    # amsp.engine.resolve_grad_comm).
     compute = Precision.named(precision_name(cfg, cluster))
     grad = OmegaConf.select(cfg, "amsp.grad_comm") or "auto"
-    if grad == "auto":
-        return compute
-    return Precision(param_bytes=compute.param_bytes, grad_bytes=Precision.named(grad).grad_bytes)
+    return Precision(param_bytes=compute.param_bytes,
+                     grad_bytes=4 if grad == "auto" else Precision.named(grad).grad_bytes)
 
 
 def workload_from_config(cfg: DictConfig, cluster: ClusterSpec) -> Workload:
