@@ -1,0 +1,136 @@
+"""Every numeric and enum field of the training config, checked before any state exists.
+
+Hydra's schema already rejects unknown keys and wrong types; this adds the ranges and choices a
+type cannot say (a negative or NaN learning rate, a zero micro-batch, an unknown dtype), so a
+mistyped override stops the run in its first second with one line that names the key, the value
+and what is allowed, instead of a ZeroDivisionError or a silent NaN checkpoint steps later.
+Fields a run may add that are not listed here are left to their own component's checks.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A config value outside what is allowed; its message is one line meant for the user."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    key: str
+    allowed: str  # how the error states what is allowed
+    ok: Callable[[Any], bool]
+    optional: bool = False  # None is allowed (the field's default meaning applies)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def int_at_least(key: str, low: int, optional: bool = False) -> Rule:
+    return Rule(key, f"an integer >= {low}", lambda v: _int(v) and v >= low, optional)
+
+
+def finite_at_least(key: str, low: float, strict: bool = False, optional: bool = False) -> Rule:
+    if strict:
+        return Rule(key, f"a finite number > {low:g}", lambda v: _number(v) and v > low, optional)
+    return Rule(key, f"a finite number >= {low:g}", lambda v: _number(v) and v >= low, optional)
+
+
+def in_unit_interval(key: str) -> Rule:
+    return Rule(key, "a finite number in [0, 1)", lambda v: _number(v) and 0 <= v < 1)
+
+
+def one_of(key: str, *choices: str) -> Rule:
+    return Rule(key, "one of " + "|".join(choices), lambda v: v in choices)
+
+
+RULES: tuple[Rule, ...] = (
+    int_at_least("data.seq_len", 1),
+    int_at_least("data.valid_samples", 0),
+    int_at_least("data.pad_vocab_multiple", 1),
+    int_at_least("data.prefetch", 0),
+    int_at_least("data.seed", 0, optional=True),
+    Rule("data.split", "two finite numbers >= 0 (train, validation) with a positive train share",
+         lambda v: len(v) == 2 and all(_number(x) and x >= 0 for x in v) and v[0] > 0),
+    finite_at_least("optim.lr", 0, strict=True),
+    finite_at_least("optim.min_lr", 0),
+    int_at_least("optim.warmup_steps", 0),
+    int_at_least("optim.decay_steps", 1, optional=True),
+    finite_at_least("optim.weight_decay", 0),
+    in_unit_interval("optim.beta1"),
+    in_unit_interval("optim.beta2"),
+    finite_at_least("optim.eps", 0, strict=True),
+    finite_at_least("optim.grad_clip", 0),
+    int_at_least("trainer.max_steps", 1),
+    int_at_least("trainer.micro_batch_size", 1),
+    int_at_least("trainer.global_batch_size", 1),
+    int_at_least("trainer.global_batch_tokens", 1, optional=True),
+    int_at_least("trainer.seed", 0),
+    one_of("trainer.device", "auto", "cpu", "cuda"),
+    one_of("trainer.dtype", "auto", "fp32", "bf16"),
+    int_at_least("trainer.log_interval", 1),
+    int_at_least("trainer.threads", 1, optional=True),
+    int_at_least("trainer.checkpoint_interval", 0),
+    int_at_least("trainer.keep_last_checkpoints", 1),
+    int_at_least("trainer.val_interval", 0),
+    int_at_least("trainer.val_samples", 0),
+    int_at_least("trainer.max_consecutive_skips", 1),
+    finite_at_least("trainer.collective_timeout_s", 0, strict=True),
+    one_of("logging.level", "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+    one_of("logging.wandb.mode", "online", "offline", "disabled"),
+    finite_at_least("logging.peak_tflops", 0, strict=True, optional=True),
+    one_of("amsp.precision", "auto", "fp32", "bf16"),
+    one_of("amsp.grad_comm", "auto", "fp32", "bf16"),
+    int_at_least("amsp.ranks_per_node", 1, optional=True),
+    *(int_at_least(f"amsp.{k}", 1, optional=True)
+      for k in ("p", "g", "os", "embed_head_p", "embed_head_g", "embed_head_os")),
+    finite_at_least("amsp.planner.mfu", 0, strict=True),
+    Rule("amsp.planner.memory_margin", "a finite number in [0, 1)", lambda v: _number(v) and 0 <= v < 1),
+    finite_at_least("amsp.planner.reserved_gib", 0),
+    int_at_least("amsp.planner.tp", 1),
+    int_at_least("amsp.planner.pp", 1),
+    finite_at_least("amsp.planner.overlap_slowdown", 0),
+    int_at_least("amsp.planner.top_k", 1),
+    finite_at_least("amsp.planner.time_limit_s", 0, strict=True),
+)
+
+
+def _describe(v) -> str:
+    return repr(v) if isinstance(v, str) else str(v)
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Raise one ConfigError naming every field outside its allowed values."""
+    problems = []
+    for rule in RULES:
+        value = OmegaConf.select(cfg, rule.key, default="__absent__")
+        if value == "__absent__" or (value is None and rule.optional):
+            continue
+        if OmegaConf.is_config(value):
+            value = OmegaConf.to_container(value, resolve=True)
+        try:
+            ok = rule.ok(value)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            problems.append(f"{rule.key}={_describe(value)} is not allowed: expected {rule.allowed}")
+    problems += _cross_field_problems(cfg)
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def _cross_field_problems(cfg: DictConfig) -> list[str]:
+    out = []
+    lr, min_lr = OmegaConf.select(cfg, "optim.lr"), OmegaConf.select(cfg, "optim.min_lr")
+    if _number(lr) and _number(min_lr) and min_lr > lr:
+        out.append(f"optim.min_lr={min_lr} is not allowed: expected at most optim.lr={lr}")
+    return out

@@ -1,0 +1,58 @@
+"""Config validation: every bad numeric or enum value is one line naming key, value and what is allowed."""
+import math
+
+import pytest
+from omegaconf import OmegaConf
+
+from configs.schema import ModelConfig, TrainConfig
+from configs.validate import RULES, ConfigError, validate_config
+
+
+def default_cfg():
+    return OmegaConf.structured(TrainConfig(model=ModelConfig()))
+
+
+def test_defaults_are_valid():
+    validate_config(default_cfg())
+
+
+def test_every_rule_names_a_real_field():
+    cfg = default_cfg()
+    missing = [r.key for r in RULES if OmegaConf.select(cfg, r.key, default="__absent__") == "__absent__"]
+    assert not missing, f"rules for fields the schema does not have: {missing}"
+
+
+@pytest.mark.parametrize("key, value, allowed", [
+    ("optim.lr", -1e-3, "a finite number > 0"),
+    ("optim.lr", math.nan, "a finite number > 0"),
+    ("optim.lr", math.inf, "a finite number > 0"),
+    ("optim.beta2", 1.0, "in [0, 1)"),
+    ("optim.eps", 0.0, "> 0"),
+    ("trainer.max_steps", -3, "an integer >= 1"),
+    ("trainer.micro_batch_size", 0, "an integer >= 1"),
+    ("trainer.dtype", "fp16", "one of auto|fp32|bf16"),
+    ("trainer.device", "tpu", "one of auto|cpu|cuda"),
+    ("trainer.collective_timeout_s", 0.0, "> 0"),
+    ("trainer.keep_last_checkpoints", 0, ">= 1"),
+    ("amsp.grad_comm", "fp8", "one of auto|fp32|bf16"),
+    ("amsp.p", 0, ">= 1"),
+    ("amsp.planner.memory_margin", 1.5, "in [0, 1)"),
+    ("logging.wandb.mode", "sometimes", "online|offline|disabled"),
+    ("data.split", [0.0, 2.0], "positive train share"),
+])
+def test_bad_value_is_one_line_naming_key_value_and_allowed(key, value, allowed):
+    cfg = default_cfg()
+    OmegaConf.update(cfg, key, value, force_add=False)
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"{key}=") and allowed in msg, msg
+
+
+def test_several_problems_reported_together_and_cross_field_rule():
+    cfg = default_cfg()
+    cfg.trainer.micro_batch_size = 0
+    cfg.optim.min_lr = 1.0
+    with pytest.raises(ConfigError, match=r"trainer.micro_batch_size=0 .*; optim.min_lr=1.0 is not allowed: "
+                                          r"expected at most optim.lr"):
+        validate_config(cfg)
