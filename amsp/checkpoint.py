@@ -11,6 +11,9 @@ anything but DCP's own metadata, and that through an allow-list.
 Atomicity: a save is written to checkpoints/.tmp-step_N, then published by renaming it to
 step_N and replacing the `latest` pointer file (both atomic renames). A crash mid-save leaves
 the previous checkpoint and pointer untouched; stale temporaries are removed at the next start.
+
+Every collective here is a control value: the barriers and DCP's own object exchanges run on the
+control plane (amsp.control, a CPU group), never on the data plane's NCCL group.
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from models.llama.dcp_safe import SafeFileSystemReader
+
+from . import control
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
@@ -102,11 +107,6 @@ def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _barrier(group=None) -> None:
-    if dist.is_initialized():
-        dist.barrier(group=group)
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -124,15 +124,15 @@ class CheckpointManager:
         self.async_save = async_save
         self._pending: threading.Thread | None = None
         self._pending_error: BaseException | None = None
-        # DCP's collectives for a background save run on their own group, never interleaving with
-        # the training collectives of the main thread.
-        self._group = dist.new_group(backend="gloo") if dist.is_initialized() and async_save else None
+        # DCP's collectives for a background save run on a CPU group of their own, never interleaving
+        # with the main thread's control collectives (the per-step signal check among them).
+        self._group = control.new_cpu_group() if async_save else None
         if _is_main():
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob(TMP_PREFIX + "*"):
                 log.warning("removing incomplete checkpoint %s (a save was interrupted)", stale)
                 shutil.rmtree(stale, ignore_errors=True)
-        _barrier()
+        control.barrier()
 
     # -- discovery --
     def latest(self) -> Path | None:
@@ -151,15 +151,20 @@ class CheckpointManager:
 
     # -- saving --
     def save(self, step: int, fragments: list[Fragment], tensors: dict[str, torch.Tensor], meta: dict,
-             config_yaml: str) -> Path:
-        """Collective: every rank calls it. Returns the final path (published now, or when async completes)."""
+             config_yaml: str) -> Path | None:
+        """Collective: every rank calls it. Returns the final path (published now, or when async
+        completes); None in a pretend world, where nothing is written."""
+        if control.pretend_world():
+            # DCP's coordinator needs every rank's plan, and the fake backend brings none.
+            log.warning("pretend world: step %d is not checkpointed (the other ranks' shards do not exist)", step)
+            return None
         self.wait()
         name = self.step_dir_name(step)
         tmp, final = self.root / (TMP_PREFIX + name), self.root / name
         if _is_main():
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        _barrier()
+        control.barrier()
         meta = {**meta, "step": step, "format_version": FORMAT_VERSION}
         if self.async_save:
             # Snapshot now; training may change the live tensors while the thread writes.
@@ -175,8 +180,9 @@ class CheckpointManager:
 
     def _write_and_publish(self, step, tmp: Path, final: Path, fragments, tensors, meta, config_yaml) -> None:
         try:
+            group = self._group if self._group is not None else control.group()
             dcp.save(dict(tensors), storage_writer=dcp.FileSystemWriter(tmp),
-                     planner=_FragmentSavePlanner(fragments), process_group=self._group)
+                     planner=_FragmentSavePlanner(fragments), process_group=group)
             # dcp.save returns on the coordinator only after every rank's data is written.
             if _is_main():
                 (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
@@ -215,6 +221,10 @@ class CheckpointManager:
     # -- loading --
     def load(self, path: Path, fragments: list[Fragment], tensors: dict[str, torch.Tensor]) -> dict:
         """Collective. Fills every fragment and tensor in place; returns meta.json."""
+        if control.pretend_world():
+            raise RuntimeError(f"a pretend world (AMSP_PRETEND_WORLD) cannot load {path}: the fake backend "
+                               f"cannot run DCP's exchange between ranks; use a fresh run directory or "
+                               f"trainer.resume=false")
         meta_path = path / "meta.json"
         if not meta_path.exists():
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no meta.json)")
@@ -224,7 +234,8 @@ class CheckpointManager:
                              f"format {FORMAT_VERSION}")
         reader = SafeFileSystemReader(path)
         _check_compatible(path, reader.read_metadata(), fragments, tensors)
-        dcp.load(tensors, storage_reader=reader, planner=_FragmentLoadPlanner(fragments))
+        dcp.load(tensors, storage_reader=reader, planner=_FragmentLoadPlanner(fragments),
+                 process_group=control.group())
         return meta
 
 

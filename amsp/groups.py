@@ -4,6 +4,10 @@ dist.new_group is collective over the whole world (every rank must call it for e
 the groups it is not in), so the list of groups is derived from the plan and the topology alone
 and walked in one deterministic order. torch sorts a group's ranks; ours are ascending anyway, so
 a member's group rank is its index in the tuple.
+
+These are data-plane groups: the default group's (device) backend, and the collective timeout the
+run was configured with (amsp.control keeps it), so a rank that hangs in a subgroup collective
+makes the others fail after the timeout instead of waiting forever.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from . import control
 from .plan import Degrees
 from .topology import Topology
 
@@ -59,16 +64,14 @@ def ensure_groups(degrees: list[Degrees], topo: Topology) -> None:
     if _CACHE_WORLD and _CACHE_WORLD[0] != id(dist.group.WORLD):
         _CACHE.clear()  # a new default process group (tests re-initialise): old groups are dead
     _CACHE_WORLD[:] = [id(dist.group.WORLD)]
-    seen = set()
-    for deg in degrees:
-        for kind, groups in group_lists(deg, topo).items():
-            for ranks in groups:
-                if len(ranks) < 2 or ranks in _CACHE or ranks in seen:
-                    continue
-                seen.add(ranks)
-                _CACHE[ranks] = dist.new_group(list(ranks))
-    if seen:
-        log.debug("created %d process groups", len(seen))
+    new = [ranks for deg in degrees for groups in group_lists(deg, topo).values() for ranks in groups
+           if len(ranks) > 1 and ranks not in _CACHE]
+    if not new:
+        return
+    timeout = control.collective_timeout()
+    for ranks in dict.fromkeys(new):  # first-seen order, the same on every rank
+        _CACHE[ranks] = dist.new_group(list(ranks), timeout=timeout)
+    log.debug("created %d process groups (backend %s, timeout %s)", len(set(new)), dist.get_backend(), timeout)
 
 
 def process_group(ranks: tuple[int, ...]):

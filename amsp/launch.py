@@ -5,6 +5,15 @@ SLURM_STEP_NUM_TASKS / SLURM_LOCALID (and the node list). With neither, the proc
 Only an srun step (SLURM_STEP_ID set) counts as a Slurm launch: a batch script also carries
 SLURM_PROCID=0 and the job's SLURM_NTASKS, and treating it as rank 0 of N would wait forever for
 ranks that were never started.
+
+AMSP_PRETEND_WORLD=N (rank from AMSP_PRETEND_RANK, default 0) runs one process as one rank of an
+N-rank world on torch's fake backend, whose collectives return at once and move no data: a way to
+run the N-rank code paths (plans, groups, both planes) on one device. Its numbers are not a real
+run's.
+
+Two planes (DESIGN.md section 2): the default group is the data plane, on the device's backend
+(NCCL on CUDA, gloo on CPU); control values travel on amsp.control's own CPU group. Both, and every
+group made later, carry the configured collective timeout.
 """
 from __future__ import annotations
 
@@ -17,7 +26,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import control, routing_check
+
 log = logging.getLogger(__name__)
+_CHOICES: list[str] = []  # what init_distributed chose, for log_backend_choices
 
 
 @dataclass(frozen=True)
@@ -26,7 +38,7 @@ class DistEnv:
     world_size: int
     local_rank: int
     local_world_size: int
-    launcher: str  # torchrun | slurm | single
+    launcher: str  # torchrun | slurm | single | pretend
 
     @property
     def is_main(self) -> bool:
@@ -76,6 +88,12 @@ def _slurm_tasks_on_this_node(env) -> int:
 
 def read_launch_env() -> DistEnv:
     env = os.environ
+    if env.get("AMSP_PRETEND_WORLD"):
+        world, rank = int(env["AMSP_PRETEND_WORLD"]), int(env.get("AMSP_PRETEND_RANK", "0"))
+        if world < 1 or not 0 <= rank < world:
+            raise ValueError(f"AMSP_PRETEND_WORLD={world} / AMSP_PRETEND_RANK={rank}: need 0 <= rank < world")
+        # One process, one device: it poses as one rank of a single node of `world` ranks.
+        return DistEnv(rank, world, 0, world, "pretend")
     if "RANK" in env and "WORLD_SIZE" in env:
         world = int(env["WORLD_SIZE"])
         return DistEnv(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)),
@@ -88,22 +106,58 @@ def read_launch_env() -> DistEnv:
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> DistEnv:
-    """Initialise torch.distributed when launched with several ranks (no-op for one process)."""
+    """Initialise torch.distributed when launched with several ranks (no-op for one process):
+    the default group (data plane), then the control plane, then the routing checker if asked."""
     denv = read_launch_env()
     if denv.world_size == 1 or dist.is_initialized():
         return denv
-    if denv.launcher == "slurm":
-        os.environ.setdefault("MASTER_ADDR", _slurm_master_addr())
-        os.environ.setdefault("MASTER_PORT", str(slurm_master_port(int(os.environ.get("SLURM_JOB_ID", "0")))))
-        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(denv.rank), str(denv.world_size)
-        os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(denv.local_rank), str(denv.local_world_size)
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(denv.local_rank)
-    dist.init_process_group(backend=backend, rank=denv.rank, world_size=denv.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    if denv.is_main:
-        log.info("distributed backend: %s, %d ranks (%d per node), launcher %s", backend,
-                 denv.world_size, denv.local_world_size, denv.launcher)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if denv.launcher == "pretend":
+        data_backend, control_backend, device_type = _init_pretend_world(denv, timeout)
+    else:
+        if denv.launcher == "slurm":
+            os.environ.setdefault("MASTER_ADDR", _slurm_master_addr())
+            os.environ.setdefault("MASTER_PORT", str(slurm_master_port(int(os.environ.get("SLURM_JOB_ID", "0")))))
+            os.environ["RANK"], os.environ["WORLD_SIZE"] = str(denv.rank), str(denv.world_size)
+            os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(denv.local_rank), str(denv.local_world_size)
+        data_backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        device_type = "cuda" if "nccl" in data_backend else "cpu"
+        if device_type == "cuda":
+            torch.cuda.set_device(denv.local_rank)
+        dist.init_process_group(backend=data_backend, rank=denv.rank, world_size=denv.world_size, timeout=timeout)
+        control_backend = "gloo"
+    control.setup(timeout, control_backend)
+    checking = routing_check.install_if_requested(device_type)
+    _CHOICES[:] = [f"distributed: {denv.world_size} ranks ({denv.local_world_size} per node), launcher "
+                   f"{denv.launcher}; data plane {data_backend} ({device_type} tensors), control plane "
+                   f"{control_backend}, collective timeout {timeout_s:.0f} s on every group"
+                   + (f"; routing check on ({routing_check.ENV}=1)" if checking else "")]
+    if denv.launcher == "pretend":
+        _CHOICES.append(f"pretend world: this process is rank {denv.rank} of {denv.world_size} on the fake backend; "
+                        f"collectives move no data, so losses, norms and timings are not a real run's")
     return denv
+
+
+def log_backend_choices(denv: DistEnv) -> None:
+    """Log what init_distributed chose, once logging is set up (it runs before the logging setup,
+    which needs the rank)."""
+    if _CHOICES and denv.is_main:
+        log.info(_CHOICES[0])
+    for line in _CHOICES[1:]:
+        log.warning(line)
+    _CHOICES.clear()
+
+
+def _init_pretend_world(denv: DistEnv, timeout: datetime.timedelta) -> tuple[str, str, str]:
+    # The fake backend's creator is registered by this testing module, not by torch.distributed.
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(0)
+    # "cuda:fake" serves CUDA tensors only and refuses CPU ones, as NCCL does. The control plane
+    # is fake too: gloo cannot rendezvous with ranks that do not exist.
+    data_backend = f"{device_type}:fake"
+    dist.init_process_group(data_backend, store=dist.HashStore(), rank=denv.rank, world_size=denv.world_size,
+                            timeout=timeout)
+    return data_backend, "cpu:fake", device_type

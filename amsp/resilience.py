@@ -2,8 +2,9 @@
 
 - Preemption: SIGUSR1 (Slurm's --signal before the time limit), SIGUSR2 (submitit) and SIGTERM
   (preemption, scancel)
-  only set a flag; the loop checks it once per step with one tiny all_reduce, so every rank stops
-  after the same step, saves a checkpoint, and exits.
+  only set a flag; the loop checks it once per step with one tiny all_reduce on the control plane
+  (amsp.control: a CPU group, never NCCL), so every rank stops after the same step, saves a
+  checkpoint, and exits.
 - Non-finite loss or gradient: the engine skips the update; SkipGuard counts consecutive skips
   and ends the run after K of them, after a checkpoint of the last good state.
 - Dead or hung ranks: collectives carry a timeout; every rank publishes the step it is on to the
@@ -19,6 +20,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from . import control
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +45,7 @@ class PreemptionHandler:
 
     def agreed_signal(self) -> int:
         """The signal any rank received (0 if none). Collective: all ranks call it every step."""
-        if not dist.is_initialized():
-            return self.received
-        flag = torch.tensor([self.received], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+        return control.all_reduce_max_int(self.received)
 
 
 class TooManySkippedSteps(RuntimeError):

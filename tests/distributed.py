@@ -2,6 +2,10 @@
 
 Spawning costs seconds per rank (torch import), so tests run many cases inside one group: pass a
 function that loops over cases and returns what each rank saw.
+
+Each rank sets up what amsp.launch.init_distributed would: the control plane (amsp.control) with the
+same timeout as the default group, and the routing checker when AMSP_CHECK_ROUTING=1 (tests/conftest.py
+sets it), so test code sums its own CPU results through amsp.control, not raw dist calls.
 """
 from __future__ import annotations
 
@@ -29,10 +33,14 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, env: di
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=float(env.get("TEST_PG_TIMEOUT", 120))))
+        from amsp import control, routing_check
+
+        timeout = datetime.timedelta(seconds=float(env.get("TEST_PG_TIMEOUT", 120)))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+        control.setup(timeout)
+        routing_check.install_if_requested("cpu")
         result = fn(rank, world, *args)
-        dist.barrier()
+        control.barrier()
         dist.destroy_process_group()
         queue.put((rank, "ok", result))
     except BaseException:  # report every failure, including assertion errors, to the parent

@@ -122,8 +122,7 @@ class MetricsLogger:
         n = self._steps
         mean_step = self._phase_sums["step"] / n
         busy = sum(self._phase_sums[p] for p in PHASES) - self._comm_sums["exposed_s"]
-        per_rank = gather_rank_values([mean_step, max(0.0, busy / n), float(peak_memory_bytes(self.device))],
-                                      self.device)
+        per_rank = gather_rank_values([mean_step, max(0.0, busy / n), float(peak_memory_bytes(self.device))])
         wall = now - self._window_t0
         record = self._build_record(step, n, wall, per_rank, float(loss), float(lr), float(grad_norm),
                                     int(skipped_steps), now)

@@ -7,18 +7,13 @@ from __future__ import annotations
 
 import statistics
 
-import torch
-import torch.distributed as dist
+from amsp import control
 
 
-def gather_rank_values(values: list[float], device: torch.device) -> list[list[float]]:
-    """[rank][i] = values[i] on that rank. One collective; a single process returns [values]."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [list(values)]
-    mine = torch.tensor(values, dtype=torch.float64, device=device)
-    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, mine)
-    return [t.tolist() for t in out]
+def gather_rank_values(values: list[float]) -> list[list[float]]:
+    """[rank][i] = values[i] on that rank. One control-plane collective (CPU values, never the
+    device's backend); a single process returns [values]."""
+    return control.all_gather_floats(values)
 
 
 def straggler_summary(busy_times: list[float]) -> dict[str, float | int]:

@@ -9,8 +9,11 @@ prices (cost_model.py):
 With amsp.ranks_per_node smaller than the real ranks per machine, one machine poses as several
 nodes and "inter" measures whatever joins those ranks (loopback here, veth links in the emulated
 cluster). Each (kind, size) is timed `repeats` times after one warm-up; the slowest rank's median
-counts. The result is cached on disk keyed by the cluster shape (world, ranks per node, the set of
-host names, backend, device type, probe sizes), so a restarted job skips the probe.
+counts. Only the timed collectives run on the data plane (the device's backend and tensors: that
+is what is measured); the barriers, the slowest-rank reduction and the object exchanges are control
+values and go through amsp.control. The result is cached on disk keyed by the cluster shape (world,
+ranks per node, the set of host names, backend, device type, probe sizes), so a restarted job skips
+the probe.
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from amsp import control
+from amsp.routing_check import data_plane
 from amsp.topology import Topology
 
 from .cluster import KINDS, BandwidthCurve, ClusterSpec, format_size, ring_factor
@@ -51,29 +56,28 @@ def _sync(device: torch.device) -> None:
 
 def _run(kind: str, nbytes: int, n: int, group, device: torch.device) -> None:
     elems = max(n, nbytes // 4 // n * n)  # fp32, divisible by the group size
-    if kind == "all_gather":
-        out = torch.empty(elems, device=device)
-        _ALL_GATHER(out, torch.ones(elems // n, device=device), group=group)
-    elif kind == "reduce_scatter":
-        out = torch.empty(elems // n, device=device)
-        _REDUCE_SCATTER(out, torch.ones(elems, device=device), group=group)
-    else:
-        dist.all_reduce(torch.ones(elems, device=device), group=group)
+    with data_plane():
+        if kind == "all_gather":
+            out = torch.empty(elems, device=device)
+            _ALL_GATHER(out, torch.ones(elems // n, device=device), group=group)
+        elif kind == "reduce_scatter":
+            out = torch.empty(elems // n, device=device)
+            _REDUCE_SCATTER(out, torch.ones(elems, device=device), group=group)
+        else:
+            dist.all_reduce(torch.ones(elems, device=device), group=group)
 
 
 def _time(kind: str, nbytes: int, n: int, group, device: torch.device, repeats: int) -> float:
     _run(kind, nbytes, n, group, device)  # warm-up: connection setup, allocation
     samples = []
     for _ in range(repeats):
-        dist.barrier()
+        control.barrier()
         _sync(device)
         t0 = time.perf_counter()
         _run(kind, nbytes, n, group, device)
         _sync(device)
         samples.append(time.perf_counter() - t0)
-    worst = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return float(worst.item())
+    return control.all_reduce_max_floats([statistics.median(samples)])[0]
 
 
 def measure(topo: Topology, rank: int, device: torch.device, sizes=PROBE_SIZES, repeats: int = 2) -> dict:
@@ -86,7 +90,8 @@ def measure(topo: Topology, rank: int, device: torch.device, sizes=PROBE_SIZES, 
         shapes.append(("inter", topo.replica_groups(r), nodes, float(r)))
     points: dict = {}
     for scope, groups, n, concurrency in shapes:
-        handles = [dist.new_group(list(g)) for g in groups]  # collective over the world, same order
+        # data-plane groups with the run's timeout; collective over the world, same order everywhere
+        handles = [dist.new_group(list(g), timeout=control.collective_timeout()) for g in groups]
         mine = handles[[i for i, g in enumerate(groups) if rank in g][0]]
         for kind in KINDS:
             for size in sizes:
@@ -114,8 +119,7 @@ def probe_points(topo: Topology, rank: int, device: torch.device, cache_dir: pat
                  use_cache: bool = True) -> tuple[dict, str]:
     """(measured or cached points {(kind, scope): [(bytes, GB/s)]}, 'probe' | 'cache'). Collective."""
     backend = dist.get_backend()
-    hosts: list = [None] * topo.world
-    dist.all_gather_object(hosts, socket.gethostname())
+    hosts = control.all_gather_object(socket.gethostname())
     key = cache_key(topo, hosts, backend, device)
     path = (cache_dir or default_cache_dir()) / f"probe-{key}.json"
     box = [None]
@@ -124,7 +128,7 @@ def probe_points(topo: Topology, rank: int, device: torch.device, cache_dir: pat
             box[0] = json.loads(path.read_text())["points"]
         except (OSError, ValueError, KeyError) as e:
             log.warning("probe cache %s unreadable (%s); probing again", path, e)
-    dist.broadcast_object_list(box, src=0)
+    box[0] = control.broadcast_object(box[0], src=0)
     if box[0] is not None:
         points, source = _from_json(box[0]), "cache"
         if rank == 0:

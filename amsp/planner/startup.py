@@ -1,8 +1,8 @@
 """The planner at training startup (amsp.plan=auto): probe, solve on rank 0, agree on all ranks.
 
 Runs before any model state is allocated. Every rank takes part in the probe (collectives); rank 0
-solves and broadcasts the plan, so all ranks build the engine with the same degrees even if their
-floating-point results were to differ.
+solves and broadcasts the plan (a control value: amsp.control), so all ranks build the engine with
+the same degrees even if their floating-point results were to differ.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from amsp import control
 from amsp.plan import Plan
 from amsp.topology import Topology
 
@@ -74,7 +75,7 @@ def plan_for_run(cfg: DictConfig, denv, device: torch.device | str = "cpu",
         except (NoFeasiblePlan, ValueError, SolverError) as e:  # tell the other ranks, then raise here
             error, box[0] = e, f"{type(e).__name__}: {e}"
     if denv.world_size > 1 and dist.is_initialized():
-        dist.broadcast_object_list(box, src=0)
+        box[0] = control.broadcast_object(box[0], src=0)
     if error is not None:
         raise error
     if isinstance(box[0], str):

@@ -190,7 +190,11 @@ def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec.get("collective_timeout_s", 300)))
+    timeout = datetime.timedelta(seconds=spec.get("collective_timeout_s", 300))
+    dist.init_process_group("gloo", timeout=timeout)
+    from amsp import control
+
+    control.setup(timeout)  # the AMSP engine's groups take their timeout from the control plane
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = LlamaConfig(**spec["model"])
     batches = make_batches(cfg, spec, rank, world)

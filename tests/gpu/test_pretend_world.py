@@ -1,0 +1,35 @@
+"""train.py as one rank of a pretend world on the GPU (AMSP_PRETEND_WORLD, amsp/launch.py).
+
+The data plane is torch's fake backend on CUDA ("cuda:fake": collectives return at once and, like
+NCCL, refuse CPU tensors) and the control plane "cpu:fake", so every N-rank code path (plan, groups,
+both planes, validation, checkpoint) runs on one device. A control value sent to the data plane as a
+CPU tensor fails here as it would on a real multi-GPU run; the routing checker is on as well.
+The CPU twin is tests/amsp/test_routing.py::test_pretend_world_runs_train_py_in_one_cpu_process.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tests.training.runs import losses, train
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world, plan", [(2, "auto"), (8, "zero3")])
+def test_pretend_world_trains_on_cuda(tmp_path, monkeypatch, world, plan):
+    monkeypatch.setenv("AMSP_PRETEND_WORLD", str(world))
+    monkeypatch.setenv("AMSP_CHECK_ROUTING", "1")
+    monkeypatch.setenv("AMSP_CACHE_DIR", str(tmp_path / "cache"))  # the fake probe caches nothing shared
+    run = tmp_path / f"pretend{world}"
+    # 16 samples a step and a validation pass: whole rounds of 2-sample micro-batches on 8 ranks.
+    proc = train(run, "trainer.device=cuda", "trainer.max_steps=4", "trainer.val_interval=2",
+                 "trainer.val_samples=16", "trainer.global_batch_size=16", f"amsp.plan={plan}", timeout=600)
+    out = proc.stdout + proc.stderr
+    assert "data plane cuda:fake (cuda tensors), control plane cpu:fake" in out, out[-3000:]
+    assert f"rank 0 of {world} on the fake backend" in out and "routing check on" in out, out[-3000:]
+    assert len(re.findall(r"\| loss ", proc.stdout)) == 4, proc.stdout[-3000:]  # one log line a step
+    assert sorted(losses(run)) == [1, 2, 3, 4]
+    val = {json.loads(line)["step"] for line in (run / "validation.jsonl").read_text().splitlines()}
+    assert val == {2, 4}, val
