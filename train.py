@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from amsp import control
 from amsp.checkpoint import CheckpointManager
-from amsp.launch import DistEnv, init_distributed
+from amsp.launch import DistEnv, init_distributed, log_backend_choices
 from amsp.metrics import MetricsLogger, StepTimer, resolve_peak
 from amsp.metrics.plot import plot_run
 from amsp.metrics.wandb_logger import WandbLogger
@@ -33,11 +34,13 @@ from amsp.planner import plan_for_run
 from amsp.resilience import Heartbeat, NaNInjector, PreemptionHandler, SkipGuard, TooManySkippedSteps, die_now
 from amsp.train_state import load_training_state, save_training_state
 from configs.schema import register_configs, to_llama_config
+from configs.validate import ConfigError, validate_config
 from data.loader import MicroBatchLoader, validation_batches
 from data.pipeline import build_data
 from models.llama import flops_per_token
 
 log = logging.getLogger("train")
+CONFIG_ERROR_EXIT = 2  # a value the user must change; runtime faults exit 1 (or the signal's code)
 register_configs()
 
 
@@ -106,8 +109,16 @@ def make_metrics(cfg: DictConfig, denv: DistEnv, run_dir: pathlib.Path, device: 
 
 @hydra.main(version_base=None, config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
-    denv = init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
+    try:
+        validate_config(cfg)  # before any process group, file or model state exists
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(CONFIG_ERROR_EXIT)
+    # trainer.device=cpu on a GPU node: the data plane must be gloo, or CPU tensors would meet NCCL.
+    denv = init_distributed(backend="gloo" if cfg.trainer.device == "cpu" else None,
+                            timeout_s=cfg.trainer.collective_timeout_s)
     setup_logging(cfg.logging.level, denv.rank)
+    log_backend_choices(denv)
     set_threads(cfg, denv)
     run_dir = resolve_run_dir(cfg)
     resolved = OmegaConf.to_yaml(cfg, resolve=True)
@@ -150,7 +161,7 @@ def main(cfg: DictConfig) -> None:
     # The AMSP engine builds the model on the meta device and initialises only this rank's shards;
     # the plan is validated (rules named) before anything is allocated.
     engine = engine_from_config(cfg.amsp, cfg.optim, cfg.trainer.dtype, model_cfg, denv, device, cfg.trainer.seed,
-                                plan=plan)
+                                plan=plan, compile=cfg.model.compile)
     dtype = engine.compute_dtype
     n_params = model_cfg.num_params()
     fpt = flops_per_token(model_cfg, seq_len)
@@ -177,7 +188,7 @@ def main(cfg: DictConfig) -> None:
     if planned is not None:
         wandb_run.log_table("planner/plans", planned.columns, planned.rows)
     metrics = make_metrics(cfg, denv, run_dir, device, dtype, tokens_per_step, fpt, wandb_run)
-    timer = StepTimer(sync=torch.cuda.synchronize if device.type == "cuda" else None)
+    timer = StepTimer(device)  # CUDA: events on the current stream, one wait per step
     preemption, heartbeat = PreemptionHandler(), Heartbeat(denv.rank, denv.world_size)
     skips = SkipGuard(cfg.trainer.max_consecutive_skips, total=skipped_total)
     nan_injector = NaNInjector(engine.model, list(cfg.debug.nan_loss_at_steps))
@@ -217,14 +228,11 @@ def main(cfg: DictConfig) -> None:
             timer.lap("optimizer")
             skips.record(result.skipped, step, result.grad_norm)
 
-            loss_avg = loss_sum / accum
-            if denv.world_size > 1:
-                dist.all_reduce(loss_avg)
-                loss_avg /= denv.world_size
             metrics.record_step(timer.end_step(), comm=engine.comm_stats().as_metrics())
             if step % cfg.trainer.log_interval == 0 or step == cfg.trainer.max_steps:
-                metrics.log(step, loss=loss_avg.item(), lr=lr, grad_norm=result.grad_norm,
-                            skipped_steps=skips.total)
+                # The mean over ranks is needed only here: one control-plane value per log step.
+                loss = control.all_reduce_sum_floats([loss_sum.item() / accum])[0] / denv.world_size
+                metrics.log(step, loss=loss, lr=lr, grad_norm=result.grad_norm, skipped_steps=skips.total)
             if skips.exhausted:
                 save(step)  # skipped updates changed nothing: this is the last good state
                 ckpt.wait()
@@ -266,15 +274,12 @@ def main(cfg: DictConfig) -> None:
 @torch.no_grad()
 def evaluate(engine, batches, device: torch.device) -> float:
     """Mean loss over this rank's validation batches, averaged over ranks (forward only)."""
-    total, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    total, count = 0.0, 0
     for x, y in batches:
-        total += engine.evaluate(x.to(device), y.to(device)).double().cpu()
+        total += engine.evaluate(x.to(device), y.to(device)).item()
         count += 1
-    if dist.is_initialized():
-        both = torch.stack([total, count])
-        dist.all_reduce(both)
-        total, count = both[0], both[1]
-    return float(total / count) if count > 0 else float("nan")
+    total, count = control.all_reduce_sum_floats([total, count])  # CPU values: the control plane
+    return total / count if count > 0 else float("nan")
 
 
 if __name__ == "__main__":

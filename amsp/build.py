@@ -12,6 +12,7 @@ import torch
 
 from models.llama.config import LlamaConfig
 
+from .compile import apply_compile, resolve_compile
 from .engine import AMSPEngine, EngineOptions
 from .launch import DistEnv
 from .plan import Plan, plan_from_settings
@@ -46,13 +47,18 @@ def precision_from_config(amsp_cfg, trainer_dtype: str) -> str:
 
 
 def engine_from_config(amsp_cfg, optim_cfg, trainer_dtype: str, model_cfg: LlamaConfig, denv: DistEnv,
-                       device: torch.device, seed: int, plan: Plan | None = None) -> AMSPEngine:
-    """Build the engine; `plan` overrides the config's (the partitioner passes its choice here)."""
+                       device: torch.device, seed: int, plan: Plan | None = None, compile: str = "auto") -> AMSPEngine:
+    """Build the engine; `plan` overrides the config's (the partitioner passes its choice here);
+    `compile` is model.compile (auto|on|off), applied to the built model's blocks (amsp/compile.py)."""
+    resolve_compile(compile, device)  # an invalid value fails before anything is allocated
     topo = topology_from(amsp_cfg, denv)
     plan = plan or plan_from_config(amsp_cfg, topo)
     o = optim_cfg
     options = EngineOptions(precision=precision_from_config(amsp_cfg, trainer_dtype), grad_comm=amsp_cfg.grad_comm,
-                            overlap_spread=bool(amsp_cfg.overlap_spread), prefetch=bool(amsp_cfg.prefetch),
+                            overlap_spread=bool(amsp_cfg.overlap_spread), spread_window=int(amsp_cfg.spread_window),
+                            prefetch=bool(amsp_cfg.prefetch),
                             optim=AdamWSettings(betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                                                 grad_clip=o.grad_clip))
-    return AMSPEngine(model_cfg, plan, topo, denv.rank, seed=seed, device=device, options=options)
+    engine = AMSPEngine(model_cfg, plan, topo, denv.rank, seed=seed, device=device, options=options)
+    apply_compile(engine.model, compile, device)
+    return engine

@@ -18,6 +18,8 @@ from models.llama.config import PRESETS, LlamaConfig
 @dataclass
 class ModelConfig(LlamaConfig):
     name: str = "tiny"
+    # torch.compile each transformer block's forward (amsp/compile.py): auto = on for CUDA, off for CPU.
+    compile: str = "auto"  # auto | on | off
 
 
 @dataclass
@@ -108,7 +110,8 @@ class LoggingConfig:
 @dataclass
 class PlannerConfig:
     """The partitioner's knobs (amsp/planner): used when amsp.plan=auto and by python -m amsp.planner.
-    Whether the parameter spread overlaps the next forward is amsp.overlap_spread (the engine's)."""
+    Whether the parameter spread overlaps the next forward is amsp.overlap_spread, and how many units'
+    spreads may be in flight amsp.spread_window (the engine's)."""
     probe: bool = True  # measure collective bandwidths on the real ranks at startup (else the preset)
     probe_cache: bool = True  # reuse a probe cached for the same cluster shape
     cache_dir: Optional[str] = None  # None: $AMSP_CACHE_DIR/probe (default ~/.cache/amsp/probe)
@@ -138,6 +141,9 @@ class AMSPConfig:
     precision: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | fp32 | bf16: compute weights + communication
     grad_comm: str = "auto"  # gradient collectives' dtype: auto (= fp32: reduction accumulates in fp32) | fp32 | bf16
     overlap_spread: bool = False  # overlap the parameter spread with the next step's forward
+    # Units whose parameter spread may be in flight at once (>= 1); each holds a received S/p buffer in
+    # the compute dtype, which the planner's memory model counts.
+    spread_window: int = 2
     prefetch: bool = True  # prefetch the next unit's parameter all-gather
     planner: PlannerConfig = field(default_factory=PlannerConfig)  # used when plan=auto
 

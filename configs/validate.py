@@ -90,6 +90,8 @@ RULES: tuple[Rule, ...] = (
     finite_at_least("logging.peak_tflops", 0, strict=True, optional=True),
     one_of("amsp.precision", "auto", "fp32", "bf16"),
     one_of("amsp.grad_comm", "auto", "fp32", "bf16"),
+    one_of("model.compile", "auto", "on", "off"),
+    int_at_least("amsp.spread_window", 1),
     int_at_least("amsp.ranks_per_node", 1, optional=True),
     *(int_at_least(f"amsp.{k}", 1, optional=True)
       for k in ("p", "g", "os", "embed_head_p", "embed_head_g", "embed_head_os")),
@@ -131,6 +133,6 @@ def validate_config(cfg: DictConfig) -> None:
 def _cross_field_problems(cfg: DictConfig) -> list[str]:
     out = []
     lr, min_lr = OmegaConf.select(cfg, "optim.lr"), OmegaConf.select(cfg, "optim.min_lr")
-    if _number(lr) and _number(min_lr) and min_lr > lr:
+    if _number(lr) and lr > 0 and _number(min_lr) and min_lr > lr:  # a bad lr is reported on its own
         out.append(f"optim.min_lr={min_lr} is not allowed: expected at most optim.lr={lr}")
     return out

@@ -35,6 +35,8 @@ def test_every_rule_names_a_real_field():
     ("trainer.collective_timeout_s", 0.0, "> 0"),
     ("trainer.keep_last_checkpoints", 0, ">= 1"),
     ("amsp.grad_comm", "fp8", "one of auto|fp32|bf16"),
+    ("amsp.spread_window", 0, "an integer >= 1"),
+    ("model.compile", "yes", "one of auto|on|off"),
     ("amsp.p", 0, ">= 1"),
     ("amsp.planner.memory_margin", 1.5, "in [0, 1)"),
     ("logging.wandb.mode", "sometimes", "online|offline|disabled"),
@@ -56,3 +58,18 @@ def test_several_problems_reported_together_and_cross_field_rule():
     with pytest.raises(ConfigError, match=r"trainer.micro_batch_size=0 .*; optim.min_lr=1.0 is not allowed: "
                                           r"expected at most optim.lr"):
         validate_config(cfg)
+
+
+def test_train_py_stops_on_a_bad_value_with_one_line_and_exit_code_2(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    proc = subprocess.run([sys.executable, "train.py", "trainer.micro_batch_size=0", "optim.lr=-1",
+                           f"trainer.output_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert lines == ["config error: optim.lr=-1.0 is not allowed: expected a finite number > 0; "
+                     "trainer.micro_batch_size=0 is not allowed: expected an integer >= 1"], proc.stderr
+    assert not any(tmp_path.iterdir()), "nothing may be written for a rejected config"

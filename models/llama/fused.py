@@ -34,6 +34,10 @@ _logged: set[str] = set()
 
 
 def _log_once(msg: str, *args) -> None:
+    # Logging inside a torch.compile'd region is a graph break (an error under fullgraph): compiled
+    # callers announce their per-device choice eagerly instead (announce_device).
+    if torch.compiler.is_compiling():
+        return
     text = msg % args if args else msg
     if text not in _logged:
         _logged.add(text)
@@ -181,6 +185,21 @@ def resolve_fused(requested: str) -> frozenset[str]:
     _log_once("fused ops: %s (model.fused=auto, per BENCHMARKS.md); eager: %s",
               ", ".join(op for op in ALL_OPS if op in chosen) or "none", ", ".join(skipped) or "none")
     return chosen
+
+
+def announce_device(device: torch.device | str) -> None:
+    """Log now, outside any compiled region, whether fused ops on `device` get native kernels (the
+    per-call check below cannot log from inside a compiled block)."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        from csrc.loader import CUDA_EXTENSION
+
+        if CUDA_EXTENSION.lib is None:
+            _log_once("fused ops on cuda: no kernel in this build; the eager references run instead")
+        else:
+            _log_once("fused ops on cuda: native kernels (csrc/fused_cuda.cu)")
+    elif kind != "cpu":
+        _log_once("fused ops on %s: no kernel for this device; the eager references run instead", kind)
 
 
 def _native_ok(op: str, *tensors: torch.Tensor) -> bool:
