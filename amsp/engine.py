@@ -13,13 +13,14 @@ holding its shards, and its parameters become views of the unit's gathered buffe
     to the fp32 G shard and, on the last micro-batch, the G->OS reduce-scatter is launched, and one
     unit after that the OS-replica all-reduce: the hierarchical sync overlaps the rest of backward.
 After backward the pipeline is drained; step() waits for the sync, runs the sharded AdamW and the
-parameter spread (synchronously, or overlapped with the next forward unit by unit, guarded by a
-per-unit version that must equal the optimizer's step count before the unit may run).
+parameter spread, at most `spread_window` units in flight in forward order (synchronously, or
+overlapped with the next forward unit by unit, guarded by a per-unit version that must equal the
+optimizer's step count before the unit may run).
 """
 from __future__ import annotations
 
 import logging
-import types
+import time
 from dataclasses import dataclass
 from functools import partial
 
@@ -27,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from models.llama.config import LlamaConfig
+from models.llama.init import init_slice_into
 from models.llama.model import Llama
 
 from .collectives import Comm, CommStats
@@ -71,11 +73,19 @@ class EngineOptions:
     # do); bf16 halves the traffic where links are the bottleneck, with bf16 accumulation across ranks.
     grad_comm: str = "auto"
     overlap_spread: bool = False  # spread overlaps the next step's forward, unit by unit
+    # Units whose spread may be in flight at once (each holds a received S/p buffer, plus the master's
+    # cast in bf16): launched in forward order, each completion launches the next.
+    spread_window: int = 2
     prefetch: bool = True  # prefetch the next unit's P all-gather in forward and backward
     # Gradient reduce-scatters (and the last micro-batch's hierarchical sync) run in the background
     # of the remaining backward; False waits for each as soon as it is launched (for benchmarks).
     async_grad_reduce: bool = True
     optim: AdamWSettings = AdamWSettings()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.spread_window, int) or self.spread_window < 1:
+            raise ValueError(f"amsp.spread_window={self.spread_window!r} must be an integer >= 1 (units whose "
+                             f"parameter spread may be in flight at once)")
 
 
 class AMSPEngine:
@@ -106,6 +116,8 @@ class AMSPEngine:
         self._micro_state: dict | None = None  # per backward: last flag, unit pipeline
         self._accumulating = False  # a micro-batch has run since the last step()
         self._synced_last = False
+        self._spread_queued: list[FlatUnit] = []  # forward order, spread not launched yet
+        self._spread_in_flight: list[FlatUnit] = []  # forward order, at most options.spread_window
         self._log_choices()
 
     # ---- construction ----
@@ -144,22 +156,28 @@ class AMSPEngine:
         return units
 
     def _materialise(self, seed: int) -> None:
-        """Initialise unit by unit with the model's own init (keyed by parameter name), keep shards."""
+        """Initialise only the slices this rank holds, on its device, with the model's own
+        element-wise init (models/llama/init.py): the values do not depend on the plan or the rank,
+        and no rank builds more than one init chunk of fp32 beyond its own shards."""
+        start = time.perf_counter()
+
+        def fill(slot: ParamSlot, lo: int, hi: int, out: torch.Tensor) -> None:
+            init_slice_into(self.cfg, slot.name, slot.shape, lo, hi, seed, out)
+
         for u in self.units:
-            tensors = [(s.name, torch.empty(s.shape, dtype=torch.float32)) for s in u.slots]
-            proxy = types.SimpleNamespace(cfg=self.cfg, init_rope=lambda: None,
-                                          named_parameters=lambda t=tensors: iter(t))
-            Llama.init_weights(proxy, seed)
-            flat = torch.zeros(u.layout.padded, dtype=torch.float32)
-            for s, (_, t) in zip(u.slots, tensors):
-                flat[s.offset:s.offset + s.numel] = t.reshape(-1)
-            u.load_full_fp32(flat.to(self.device))
+            u.fill_shards(fill)
             u.install_params()
         for mod in self.model.modules():
             for bname, buf in list(mod._buffers.items()):
                 if buf is not None and buf.is_meta:
                     mod._buffers[bname] = torch.empty(buf.shape, dtype=torch.float32, device=self.device)
         self.model.init_rope()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the draws run asynchronously: time them, not their launch
+        if self.rank == 0:
+            held = sum(u.p_shard.numel() + (0 if u.master_is_weights else u.master.numel()) for u in self.units)
+            log.info("initialised rank 0's shards (%d elements, P shards + separate fp32 masters) on %s in %.2fs",
+                     held, self.device, time.perf_counter() - start)
 
     def _install_hooks(self) -> None:
         for i, u in enumerate(self._fwd_order):
@@ -177,23 +195,47 @@ class AMSPEngine:
             return
         on = {True: "on", False: "off"}
         log.info("AMSP plan %s on %d ranks (%d per node); precision %s; prefetch %s; async grad reduce %s; "
-                 "spread overlap %s", self.plan, self.topo.world, self.topo.ranks_per_node,
+                 "spread overlap %s (window %d units)", self.plan, self.topo.world, self.topo.ranks_per_node,
                  f"{self.precision_name} (gradient communication {str(self.grad_dtype).removeprefix('torch.')})",
-                 on[self.options.prefetch], on[self.options.async_grad_reduce], on[self.options.overlap_spread])
+                 on[self.options.prefetch], on[self.options.async_grad_reduce], on[self.options.overlap_spread],
+                 self.options.spread_window)
         for grp in ("blocks", "embed_head"):
             us = [u for u in self.units if u.group == grp]
             if us:
                 log.info("  %s: %d units, p/g/os = %s, %d parameters (padded %d)", grp, len(us), us[0].deg,
                          sum(u.layout.numel for u in us), sum(u.layout.padded for u in us))
 
-    # ---- hooks ----
+    # ---- parameter spread: a bounded window in forward order ----
+    def _start_spread(self) -> None:
+        """Queue every unit's spread (forward order), book all of them on this step, launch the first
+        window of them."""
+        for u in self._fwd_order:
+            u.book_spread()
+        self._spread_queued = list(self._fwd_order)
+        self._fill_spread_window()
+
+    def _fill_spread_window(self) -> None:
+        while self._spread_queued and len(self._spread_in_flight) < self.options.spread_window:
+            u = self._spread_queued.pop(0)
+            booked, self.comm.current = self.comm.current, CommStats()  # already booked by _start_spread
+            try:
+                u.launch_spread()
+            finally:
+                self.comm.current = booked
+            self._spread_in_flight.append(u)
+
     def _ensure_fresh(self, u: FlatUnit) -> None:
-        if u.spread_pending:
-            u.finish_spread()
+        # Complete spreads oldest first up to this unit; each completion launches the next queued one,
+        # so the next unit's spread overlaps this unit's forward and no more than the window is held.
+        while u in self._spread_in_flight or u in self._spread_queued:
+            oldest = self._spread_in_flight.pop(0)
+            oldest.finish_spread()
+            self._fill_spread_window()
         if u.version != self.optim.steps:
             raise RuntimeError(f"AMSP guard: unit {u.name} holds weights of optimizer step {u.version} but "
                                f"{self.optim.steps} steps were applied; refusing to run on stale weights")
 
+    # ---- hooks ----
     def _pre_forward(self, u: FlatUnit, nxt: FlatUnit | None, module, args) -> None:
         self._ensure_fresh(u)
         u.wait_gather("forward")
@@ -301,12 +343,12 @@ class AMSPEngine:
             raise RuntimeError("AMSP: step() needs a completed last micro-batch (micro_index == num_micro - 1)")
         for u in self.units:
             u.finish_sync()
+        self.finish_spread()  # a no-op after a forward; the optimizer must not write a master being sent
         result = self.optim.step(lr)
         for u in self.units:
             u.zero_grad_state()
         if not result.skipped:
-            for u in self.units:
-                u.launch_spread()
+            self._start_spread()
             if not self.options.overlap_spread:
                 self.finish_spread()
         self._accumulating = self._synced_last = False
@@ -314,7 +356,8 @@ class AMSPEngine:
         return result
 
     def finish_spread(self) -> None:
-        """Complete every pending spread (done lazily per unit when the spread overlaps forward)."""
+        """Complete every pending spread in forward order, the window refilling as each lands (done
+        lazily per unit by the forward pre-hook when the spread overlaps forward)."""
         for u in self.units:
             self._ensure_fresh(u)
 
@@ -373,6 +416,6 @@ class AMSPEngine:
         self.optim.steps = optimizer_steps
         for u in self.units:
             u.version = optimizer_steps - 1  # the spread below brings every unit to this step
-            u.launch_spread()
+        self._start_spread()
         self.finish_spread()
         self.comm.close_step()  # loading traffic is not part of a training step

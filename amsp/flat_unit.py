@@ -15,6 +15,7 @@ Precision.optim_bytes/os) per element: 4/p + 4/g + 8/os in fp32, 2/p + 4/g + 12/
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -90,14 +91,21 @@ class FlatUnit:
         return segs
 
     @torch.no_grad()
-    def load_full_fp32(self, flat: torch.Tensor) -> None:
-        """Take this rank's shards of a full fp32 padded buffer (initialisation / loading)."""
+    def fill_shards(self, fill: Callable[[ParamSlot, int, int, torch.Tensor], None]) -> None:
+        """Initialise the P shard, and the fp32 master when it is a tensor of its own, from the
+        slices of parameters that overlap them: fill(slot, start, end, out) writes elements
+        [start, end) of the slot's flattened parameter into the 1-D tensor `out` (in out's dtype).
+        The padding past the last parameter is zero. Nothing the size of the unit is allocated."""
         lay = self.layout
-        if flat.numel() != lay.padded:
-            raise ValueError(f"{self.name}: expected {lay.padded} elements, got {flat.numel()}")
-        self.master.copy_(flat[self.os_lo:self.os_hi])
-        lo, hi = lay.p_range(self.rank)
-        self.p_shard.copy_(flat[lo:hi])
+        targets = [(self.p_shard, *lay.p_range(self.rank))]
+        if not self.master_is_weights:
+            targets.append((self.master, self.os_lo, self.os_hi))
+        for buf, lo, hi in targets:
+            for s in self.slots:
+                a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
+                if a < b:
+                    fill(s, a - s.offset, b - s.offset, buf[a - lo:b - lo])
+            buf[max(lay.numel, lo) - lo:].zero_()
 
     def install_params(self) -> None:
         """Replace each (meta) parameter by a Parameter viewing the unit's gathered buffer."""
@@ -206,13 +214,19 @@ class FlatUnit:
         self.os_grad = None
 
     # ---- parameter spread ----
+    # The engine keeps at most a window of units with a spread in flight (amsp.engine); what one
+    # holds from launch to finish is the spread's transient: the received S/p buffer and, in bf16,
+    # the master's cast to the compute dtype (in fp32 the cast is the master itself).
     @torch.no_grad()
     def launch_spread(self) -> None:
-        src = self.master.to(self.compute_dtype)
         if self.deg.os == self.deg.p:
-            # The OS shard is the whole P shard: copy it in, or nothing to do when it is the P shard.
-            self._spread = (None, None if self.master_is_weights else src)
+            # The OS shard is the whole P shard: nothing to gather. Write it now (no transient);
+            # nobody reads this P shard before the unit's next forward, which finish_spread gates.
+            if not self.master_is_weights:
+                self.p_shard.copy_(self.master)
+            self._spread = (None, None)
             return
+        src = self.master.to(self.compute_dtype)
         recv = torch.empty(self.layout.p_size, dtype=self.compute_dtype, device=self.device)
         self._spread = (self.comm.all_gather(recv, src, self.groups.spread, "spread"), recv)
 
@@ -228,6 +242,21 @@ class FlatUnit:
                 self.layout.spread_to_p_order(recv, self.p_shard)
         self._spread = None
         self.version += 1
+
+    def book_spread(self) -> None:
+        """Book this unit's spread all-gather on the comm's current step. The engine books a step's
+        spreads when step() queues them, so the step's statistics hold its whole spread even when the
+        window launches part of it during the next forward."""
+        if self.deg.os != self.deg.p:
+            self.comm._record("spread", "all_gather", self.layout.p_size * self.p_shard.element_size(),
+                              self.groups.spread)
+
+    def spread_transient_bytes(self) -> int:
+        """Bytes a spread of this unit holds while in flight (what the planner's window term counts)."""
+        if self.deg.os == self.deg.p:
+            return 0
+        cast = 0 if self.master_is_weights else self.layout.chunk
+        return (self.layout.p_size + cast) * self.p_shard.element_size()
 
     @property
     def spread_pending(self) -> bool:

@@ -2,12 +2,27 @@
 
 The update is torch.optim.AdamW's (decoupled decay, bias-corrected moments, eps added to the
 bias-corrected sqrt of v), applied to each rank's fp32 OS shard; weight decay covers matrices
-only (amsp/optim.decays), expressed as [start, end) segments of the shard. The global norm sums
-squared shard norms with each OS shard counted once despite its N/os replicas, in one all_reduce
-of one fp32 over the world.
+only (amsp/optim.decays), expressed as [start, end) segments of the shard.
+
+One step is two multi-tensor kernel launches and one host sync:
+  * the global norm: per-unit squared norms of the OS gradients on the device (torch._foreach_norm,
+    fp32), each OS shard counted once despite its N/os replicas (weight 1/replicas), summed on the
+    device, all-reduced once over the world, read back once (`.item()`: the step's only sync; it
+    decides whether the step is skipped);
+  * the update: torch._fused_adamw_ (the kernel behind torch.optim.AdamW(fused=True)) over views of
+    every unit's OS shard, one launch for the weight-decay segments and one for the rest. Clipping
+    rides in the kernel's grad_scale (it divides each gradient by it): (norm + 1e-6) / clip, at
+    least 1, computed on the device from the all-reduced norm. Scaling lr instead would not be
+    clipping: Adam's update is invariant to a constant gradient scale except through eps, and the
+    moments would keep the unclipped gradients.
+Where the device has no fused kernel, the same lists go through torch._foreach_* ops (one pass per
+op, unit by unit so the one temporary, the denominator, stays one unit's chunk); the choice is
+logged once. Either way the OS gradients are left divided by the clip scale (the fused kernel writes
+them back unscaled); they are dropped right after the step.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -15,6 +30,10 @@ import torch
 
 from .collectives import Comm
 from .flat_unit import FlatUnit
+
+log = logging.getLogger(__name__)
+
+KERNELS = ("auto", "fused", "foreach")
 
 
 @dataclass(frozen=True)
@@ -32,42 +51,120 @@ class StepResult:
     lr: float
 
 
+def fused_adamw_available(device: torch.device) -> bool:
+    """torch.optim.AdamW's own test for fused=True on this device type."""
+    if not hasattr(torch, "_fused_adamw_"):
+        return False
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    return torch.device(device).type in _get_fused_kernels_supported_devices()
+
+
+def _segments(chunk: int, decay: list[tuple[int, int]]) -> list[tuple[int, bool]]:
+    """[0, chunk) cut into consecutive (length, decays) runs: the decay segments and the gaps."""
+    runs, pos = [], 0
+    for lo, hi in sorted(decay):
+        if lo > pos:
+            runs.append((lo - pos, False))
+        runs.append((hi - lo, True))
+        pos = hi
+    if pos < chunk:
+        runs.append((chunk - pos, False))
+    return runs
+
+
 class ShardedAdamW:
-    def __init__(self, units: list[FlatUnit], settings: AdamWSettings, comm: Comm):
+    def __init__(self, units: list[FlatUnit], settings: AdamWSettings, comm: Comm, kernel: str = "auto"):
         self.units, self.s, self.comm = units, settings, comm
         self.steps = 0  # applied updates (skipped steps do not count, as in torch)
+        device = units[0].device
+        if kernel not in KERNELS:
+            raise ValueError(f"AdamW kernel {kernel!r} is not one of {'|'.join(KERNELS)}")
+        why = "requested"
+        if kernel == "auto":
+            kernel, why = ("fused", "available") if fused_adamw_available(device) else \
+                ("foreach", f"no fused AdamW kernel for device type {torch.device(device).type}")
+        elif kernel == "fused" and not fused_adamw_available(device):
+            raise RuntimeError(f"no fused AdamW kernel for device type {torch.device(device).type}")
+        self.kernel = kernel
+        if comm.rank == 0:
+            log.info("sharded AdamW on %s: %s (%s)", device, "torch._fused_adamw_, one launch per decay class"
+                     if kernel == "fused" else "torch._foreach_* ops, unit by unit", why)
+        # Per unit: run lengths for torch.split and which runs decay; state views built once (master,
+        # exp_avg and exp_avg_sq are never rebound; the gradient is new each step).
+        self._runs = [_segments(u.layout.chunk, u.decay_segments) for u in units]
+        self._state = [tuple(self._split(t, runs) for t in (u.master, u.exp_avg, u.exp_avg_sq))
+                       for u, runs in zip(units, self._runs)]
+        self._inv_replicas = torch.tensor([1.0 / u.replicas for u in units], dtype=torch.float32, device=device)
+        self._step_t = torch.zeros((), dtype=torch.float32, device=device)  # the kernel reads the step here
 
-    def global_grad_norm(self) -> float:
-        local = torch.zeros((), dtype=torch.float64)
-        for u in self.units:
-            sq = u.os_grad.double().pow(2).sum().cpu()
-            local += sq / u.replicas
-        total = local.float().reshape(1).to(self.units[0].device)
+    @staticmethod
+    def _split(t: torch.Tensor, runs: list[tuple[int, bool]]) -> list[torch.Tensor]:
+        return list(torch.split(t, [n for n, _ in runs]))
+
+    def _global_sq_norm(self) -> torch.Tensor:
+        """Sum over the world of squared OS-gradient norms (each shard once), on the device, shape (1,)."""
+        norms = torch._foreach_norm([u.os_grad for u in self.units])
+        total = (torch.stack(norms).square() * self._inv_replicas).sum().reshape(1)
         if self.comm.topo.world > 1:
             self.comm.all_reduce(total, tuple(range(self.comm.topo.world)), "grad_norm").wait()
-        return math.sqrt(max(float(total.item()), 0.0)) if math.isfinite(total.item()) else float("nan")
+        return total
+
+    def _lists(self, decay: bool) -> tuple[list, list, list, list]:
+        """(params, grads, exp_avgs, exp_avg_sqs): views of every unit's runs of this decay class."""
+        lists: tuple[list, list, list, list] = ([], [], [], [])
+        for u, runs, (m, a, s) in zip(self.units, self._runs, self._state):
+            g = self._split(u.os_grad, runs)
+            for i, (_, d) in enumerate(runs):
+                if d == decay:
+                    for out, t in zip(lists, (m, g, a, s)):
+                        out.append(t[i])
+        return lists
 
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
-        norm = self.global_grad_norm()
-        if not math.isfinite(norm):
-            return StepResult(norm, True, lr)
-        clip = 1.0
+        total = self._global_sq_norm()
+        scale = None
         if self.s.grad_clip > 0:
-            clip = min(1.0, self.s.grad_clip / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
+            # torch.nn.utils.clip_grad_norm_'s rule (multiply by min(1, clip / (norm + 1e-6))) as a divisor.
+            scale = (total.sqrt().add_(1e-6).div_(self.s.grad_clip)).clamp_(min=1.0).reshape(())
+        sq = total.item()  # the step's one host sync
+        if not math.isfinite(sq):
+            return StepResult(float("nan"), True, lr)
+        norm = math.sqrt(max(sq, 0.0))
         self.steps += 1
+        self._step_t.fill_(self.steps)
+        if self.kernel == "fused":
+            self._fused(*self._lists(True), lr, self.s.weight_decay, scale)
+            self._fused(*self._lists(False), lr, 0.0, scale)
+        else:
+            self._foreach(lr, scale)
+        return StepResult(norm, False, lr)
+
+    def _fused(self, params, grads, avgs, sqs, lr: float, wd: float, scale: torch.Tensor | None) -> None:
+        if not params:
+            return
+        b1, b2 = self.s.betas
+        torch._fused_adamw_(params, grads, avgs, sqs, [], [self._step_t] * len(params), lr=lr, beta1=b1, beta2=b2,
+                            weight_decay=wd, eps=self.s.eps, amsgrad=False, maximize=False, grad_scale=scale,
+                            found_inf=None)
+
+    def _foreach(self, lr: float, scale: torch.Tensor | None) -> None:
+        """torch.optim.AdamW's foreach algorithm, one unit at a time (its temporary: one denominator)."""
         b1, b2 = self.s.betas
         bc1 = 1 - b1 ** self.steps
         bc2_sqrt = math.sqrt(1 - b2 ** self.steps)
-        for u in self.units:
-            g = u.os_grad
-            if clip != 1.0:
-                g = g * clip
-            if self.s.weight_decay:
-                for lo, hi in u.decay_segments:
-                    u.master[lo:hi].mul_(1 - lr * self.s.weight_decay)
-            u.exp_avg.lerp_(g, 1 - b1)
-            u.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (u.exp_avg_sq.sqrt() / bc2_sqrt).add_(self.s.eps)
-            u.master.addcdiv_(u.exp_avg, denom, value=-lr / bc1)
-        return StepResult(norm, False, lr)
+        for u, runs, (params, avgs, sqs) in zip(self.units, self._runs, self._state):
+            grads = self._split(u.os_grad, runs)
+            if scale is not None:
+                torch._foreach_div_(grads, scale)
+            decaying = [p for p, (_, d) in zip(params, runs) if d]
+            if self.s.weight_decay and decaying:
+                torch._foreach_mul_(decaying, 1 - lr * self.s.weight_decay)
+            torch._foreach_lerp_(avgs, grads, 1 - b1)
+            torch._foreach_mul_(sqs, b2)
+            torch._foreach_addcmul_(sqs, grads, grads, value=1 - b2)
+            denom = torch._foreach_sqrt(sqs)
+            torch._foreach_div_(denom, bc2_sqrt)
+            torch._foreach_add_(denom, self.s.eps)
+            torch._foreach_addcdiv_(params, avgs, denom, value=-lr / bc1)

@@ -39,6 +39,16 @@ Hidden communication is not free: NCCL kernels take SMs and memory bandwidth fro
 overlap (gloo takes CPU cores), so every hidden second slows compute by Options.overlap_slowdown
 seconds (default 0.1, the 5-15% slowdown of overlapped GEMMs reported for FSDP/Megatron overlap).
 This also makes plans that hide their traffic equally well differ by how much they move.
+
+Memory per rank: the model states (P, G, OS by their degrees), the OS-shard gradients held from the
+sync to the optimizer step (grad_sync), the largest set of simultaneously
+gathered units, activations, gradient buckets, and the parameter spread's window: at most
+Options.spread_window units (capped at the number of units) have a spread in flight, each holding a
+received S/p buffer in the compute dtype plus, when the master is a tensor of its own, its OS chunk
+cast to the compute dtype (fp32 weights are the master: no cast); units with os = p gather nothing
+and hold nothing. The term is the window times the largest such unit (amsp.flat_unit's
+spread_transient_bytes). The optimizer step adds nothing: the fused AdamW kernel updates in place and
+the clip scale is a scalar.
 """
 from __future__ import annotations
 
@@ -53,6 +63,8 @@ from .workload import Workload
 
 ADAM_BYTES_PER_ELEM = 28  # read grad+master+m+v, write master+m+v (fp32); plus the compute-weight write
 PHASES = ("forward", "backward", "grad", "grad_to_os", "grad_replica", "spread", "grad_norm")
+# Per-unit memory that scales with the unit count: model states and the OS gradients the step holds.
+STATE_PARTS = ("params", "grads", "optim", "grad_sync")
 
 
 @dataclass(frozen=True)
@@ -61,6 +73,7 @@ class Options:
     memory_margin: float = 0.08
     reserved_bytes: int = 1 << 30
     overlap_spread: bool = True
+    spread_window: int = 2  # units whose parameter spread may be in flight at once (the engine's)
     overlap_slowdown: float = 0.1  # compute seconds lost per second of hidden communication
 
     def __post_init__(self) -> None:
@@ -70,6 +83,9 @@ class Options:
             raise ValueError(f"memory margin must be in [0, 1), got {self.memory_margin}")
         if not 0 <= self.overlap_slowdown <= 1:
             raise ValueError(f"overlap slowdown must be in [0, 1], got {self.overlap_slowdown}")
+        if self.spread_window < 1:
+            raise ValueError(f"amsp.spread_window={self.spread_window} must be >= 1 (units whose parameter "
+                             f"spread may be in flight at once)")
 
 
 @dataclass(frozen=True)
@@ -139,6 +155,7 @@ class GroupCost:
     comm_s: float  # unhidden communication seconds per step (before overlap)
     state_bytes: int
     gathered_bytes: dict  # role -> bytes of one gathered unit (0 when p = 1)
+    spread_bytes: dict  # role -> bytes one unit's in-flight parameter spread holds (0 when os = p)
     parts: dict = field(default_factory=dict)  # params / grads / optim bytes
     exposed_by_phase: dict = field(default_factory=dict)
 
@@ -166,6 +183,8 @@ class CostModel:
         self._master_is_weights = workload.precision.master_is_weights
         self._gb = workload.precision.grad_bytes
         self._numel = workload.role_numel()
+        # More than every unit cannot be in flight.
+        self.spread_window = min(options.spread_window, len(workload.units()))
         self._cache: dict = {}
 
     # ---- candidates and constants ----
@@ -290,13 +309,32 @@ class CostModel:
 
     def state_parts(self, role: str, deg: Degrees) -> dict:
         s = padded_numel(self._numel[role], deg)
-        return {"params": s // deg.p * self._pb, "grads": s // deg.g * 4, "optim": s // deg.os * self._optim_b}
+        return {"params": s // deg.p * self._pb, "grads": s // deg.g * 4, "optim": s // deg.os * self._optim_b,
+                "grad_sync": self.grad_sync_bytes(s, deg)}
+
+    def grad_sync_bytes(self, padded: int, deg: Degrees) -> int:
+        """The fp32 OS-shard gradient every unit holds from the last micro-batch's sync to the optimizer
+        step (the global norm needs all of them before any update): a buffer of its own when the
+        G->OS reduce-scatter produces it (os > g) or bf16 traffic is widened back to fp32; a view of
+        the fp32 G shard otherwise (amsp.flat_unit launch_os_reduce / finish_sync)."""
+        own = deg.os > deg.g or self._gb != 4
+        return padded // deg.os * 4 if own else 0
 
     def gathered_bytes(self, role: str, deg: Degrees) -> int:
         return padded_numel(self._numel[role], deg) * self._pb if deg.p > 1 else 0
 
+    def spread_bytes(self, role: str, deg: Degrees) -> int:
+        """Transient of one unit's parameter spread while in flight: the received S/p buffer in the
+        compute dtype plus the master's cast to it (none when the weights are the master)."""
+        if deg.os == deg.p:
+            return 0
+        s = padded_numel(self._numel[role], deg)
+        cast = 0 if self._master_is_weights else s // deg.os
+        return (s // deg.p + cast) * self._pb
+
     def group_cost(self, group: str, deg: Degrees) -> GroupCost:
-        exposed, parts, by_phase, gathered = 0.0, {"params": 0, "grads": 0, "optim": 0}, {}, {}
+        exposed, parts, by_phase, gathered = 0.0, dict.fromkeys(STATE_PARTS, 0), {}, {}
+        spread = {}
         comm = 0.0
         for role, count in self.roles_of(group):
             comm += count * sum(x.seconds * x.count for x in self._role_collectives(role, deg).values())
@@ -306,7 +344,8 @@ class CostModel:
             for part, b in self.state_parts(role, deg).items():
                 parts[part] += count * b
             gathered[role] = self.gathered_bytes(role, deg)
-        return GroupCost(exposed, comm, sum(parts.values()), gathered, parts, by_phase)
+            spread[role] = self.spread_bytes(role, deg)
+        return GroupCost(exposed, comm, sum(parts.values()), gathered, spread, parts, by_phase)
 
     def peak_gathered(self, gathered: dict) -> int:
         """Largest pair of simultaneously gathered units (role -> bytes of one gathered unit)."""
@@ -318,8 +357,9 @@ class CostModel:
 
         collectives: list[Priced] = []
         exposed = {}
-        parts = {"params": 0, "grads": 0, "optim": 0}
+        parts = dict.fromkeys(STATE_PARTS, 0)
         gathered = {}
+        spread = 0
         for unit, role in self.w.unit_roles():
             deg = plan.for_group(unit.group)
             collectives += self.unit_collectives(unit, deg)
@@ -328,9 +368,11 @@ class CostModel:
             for part, b in self.state_parts(role, deg).items():
                 parts[part] += b
             gathered[role] = self.gathered_bytes(role, deg)
+            spread = max(spread, self.spread_bytes(role, deg))
         collectives += self.grad_norm()
         memory = dict(parts)
         memory["gathered"] = self.peak_gathered(gathered)
+        memory["spread"] = self.spread_window * spread
         memory.update(self.constant_memory())
         memory["reserved"] = self.o.reserved_bytes + self.c.device_memory_bytes * self.o.memory_margin
         exposed["grad_norm"] = sum(x.seconds * x.count for x in self.grad_norm())

@@ -18,7 +18,7 @@ from .terms import GroupTerms
 class Choice:
     plan: Plan
     step_time_s: float  # the objective: constant + both groups' exposed seconds
-    memory_bytes: float  # model states + gathered pair + constant parts (no margin)
+    memory_bytes: float  # model states + gathered pair + spread window + constant parts (no margin)
 
 
 def grid(t: GroupTerms) -> tuple[np.ndarray, np.ndarray]:
@@ -28,12 +28,17 @@ def grid(t: GroupTerms) -> tuple[np.ndarray, np.ndarray]:
     for pair in t.pairs:
         term = sum(_role_axis(t, r) for r in pair)
         gathered = term if gathered is None else np.maximum(gathered, term)
-    memory = t.constant_bytes + t.state_bytes[0][:, None] + t.state_bytes[1][None, :] + gathered
+    spread = None
+    for role in t.spread:
+        term = _role_axis(t, role, t.spread)
+        spread = term if spread is None else np.maximum(spread, term)
+    memory = (t.constant_bytes + t.state_bytes[0][:, None] + t.state_bytes[1][None, :] + gathered
+              + t.spread_window * spread)
     return time, memory
 
 
-def _role_axis(t: GroupTerms, role: str) -> np.ndarray:
-    v = t.gathered[role]
+def _role_axis(t: GroupTerms, role: str, per_role: dict | None = None) -> np.ndarray:
+    v = (t.gathered if per_role is None else per_role)[role]
     return v[:, None] if t.role_group[role] == 0 else v[None, :]
 
 

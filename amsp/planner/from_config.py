@@ -23,9 +23,10 @@ def planner_config(cfg: DictConfig) -> DictConfig:
 
 def options_from_config(cfg: DictConfig) -> Options:
     p = planner_config(cfg)
-    spread = OmegaConf.select(cfg, "amsp.overlap_spread")  # the engine's switch
+    spread = OmegaConf.select(cfg, "amsp.overlap_spread")  # the engine's switches
+    window = OmegaConf.select(cfg, "amsp.spread_window", default=Options.spread_window)
     return Options(mfu=p.mfu, memory_margin=p.memory_margin, reserved_bytes=int(p.reserved_gib * 2**30),
-                   overlap_spread=bool(spread), overlap_slowdown=p.overlap_slowdown)
+                   overlap_spread=bool(spread), spread_window=int(window), overlap_slowdown=p.overlap_slowdown)
 
 
 def global_batch_samples(cfg: DictConfig) -> int:

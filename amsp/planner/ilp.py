@@ -3,9 +3,10 @@
 Variables: x[g, c] binary, one per unit group g (blocks, embed_head) and valid triple c
 (amsp.plan.enumerate_degrees is the pre-filter for the ordering, divisibility and fill-a-node rules),
 with sum_c x[g, c] = 1; a continuous z >= the bytes of every pair of simultaneously gathered units
-(current + prefetched next), which linearises that max exactly.
+(current + prefetched next), which linearises that max exactly, and a continuous y >= every role's
+in-flight spread bytes (the largest unit's spread, times the window W).
 Memory (one constraint per rank; every rank holds the same shards):
-    sum_{g,c} x[g,c] * state_bytes[g,c] + z + activations + buckets <= budget
+    sum_{g,c} x[g,c] * state_bytes[g,c] + z + W * y + activations + buckets <= budget
 Objective: the cost model's step time, constant + sum_{g,c} x[g,c] * exposed_s[g,c]. The cost model
 makes exposure a sum of per-unit terms on fixed compute windows (cost_model.py), so this linear
 objective IS the predicted step time and the exhaustive search optimises the same function.
@@ -49,13 +50,18 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
         prob += pulp.lpSum(x[gi, ci] for ci in keep) == 1, f"one_{group}"
     z = prob.add_variable("gathered_gib", lowBound=0)
 
-    def role_expr(role):
+    y = prob.add_variable("spread_unit_gib", lowBound=0)
+
+    def role_expr(role, per_role):
         gi = t.role_group[role]
-        return pulp.lpSum(x[gi, ci] * (t.gathered[role][ci] / GIB) for (g, ci) in x if g == gi)
+        return pulp.lpSum(x[gi, ci] * (per_role[role][ci] / GIB) for (g, ci) in x if g == gi)
 
     for n, pair in enumerate(t.pairs):
-        prob += z >= pulp.lpSum(role_expr(r) for r in pair), f"gathered_set_{n}"
-    prob += pulp.lpSum(x[k] * (t.state_bytes[k] / GIB) for k in x) + z <= budget, "memory_per_rank"
+        prob += z >= pulp.lpSum(role_expr(r, t.gathered) for r in pair), f"gathered_set_{n}"
+    for role in t.spread:
+        prob += y >= role_expr(role, t.spread), f"spread_{role}"
+    prob += (pulp.lpSum(x[k] * (t.state_bytes[k] / GIB) for k in x) + z + t.spread_window * y <= budget,
+             "memory_per_rank")
     prob += pulp.lpSum(x[k] * (t.exposed_s[k] * 1e3) for k in x)
     with warnings.catch_warnings():
         # PuLP 3.3 deprecates PULP_CBC_CMD in favour of a separately installed CBC (pulp[cbc]); the
@@ -78,6 +84,7 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
     i, j = chosen[0], chosen[1]
     step = t.constant_s + t.exposed_s[0, i] + t.exposed_s[1, j]
     gathered = max(sum(t.gathered[r][chosen[t.role_group[r]]] for r in pair) for pair in t.pairs)
-    memory = t.constant_bytes + t.state_bytes[0, i] + t.state_bytes[1, j] + gathered
+    spread = t.spread_window * max(t.spread[r][chosen[t.role_group[r]]] for r in t.spread)
+    memory = t.constant_bytes + t.state_bytes[0, i] + t.state_bytes[1, j] + gathered + spread
     plan = Plan(blocks=t.candidates[i], embed_head=t.candidates[j], name="auto")
     return Choice(plan, float(step), float(memory)), elapsed

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from amsp.plan import Plan
 
 GIB = 2**30
-MEMORY_PARTS = ("params", "grads", "optim", "activations", "gathered", "buckets", "reserved")
+MEMORY_PARTS = ("params", "grads", "optim", "grad_sync", "activations", "gathered", "spread", "buckets", "reserved")
 COMM_PHASES = ("forward", "backward", "grad", "grad_to_os", "grad_replica", "spread", "grad_norm")
 
 
@@ -83,7 +83,7 @@ def row(rank: int, c: PlanCost) -> list:
     g = lambda k: cb.get(k, 0) / 1e9  # noqa: E731
     return [rank, plan_label(c.plan), c.plan.name, b.p, b.g, b.os, e.p, e.g, e.os,
             m["params"] / GIB, m["grads"] / GIB, m["optim"] / GIB, m["activations"] / GIB,
-            (m["gathered"] + m["buckets"]) / GIB, c.memory_total / GIB,
+            (m["gathered"] + m["spread"] + m["buckets"] + m["grad_sync"]) / GIB, c.memory_total / GIB,  # transients
             g("forward") + g("backward"), g("grad"), g("grad_to_os"), g("grad_replica"), g("spread"),
             c.inter_node_bytes() / 1e9, sum(c.comm_seconds().values()), c.exposed_total_s, c.step_time_s,
             c.tokens_per_s_per_gpu, c.mfu]

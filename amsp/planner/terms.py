@@ -1,9 +1,10 @@
 """The per-group cost terms that both solvers combine, computed once per (model, cluster).
 
 For each unit group and each valid degree triple: exposed seconds, model-state bytes and the bytes
-of one gathered unit per role. The step time of a plan is `constant_s` plus the two groups' exposed
-seconds; its memory is the two groups' state bytes, the largest simultaneously gathered pair of
-units and the degree-independent parts (activations, gradient buckets).
+of one gathered unit per role and of one unit's in-flight parameter spread per role. The step time of
+a plan is `constant_s` plus the two groups' exposed seconds; its memory is the two groups' state
+bytes, the largest simultaneously gathered pair of units, the spread window (spread_window times the
+largest unit's spread transient) and the degree-independent parts (activations, gradient buckets).
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ class GroupTerms:
     exposed_s: np.ndarray  # [group index, candidate]
     state_bytes: np.ndarray  # [group index, candidate]
     gathered: dict  # role -> np.ndarray over candidates (bytes of one gathered unit of that role)
+    spread: dict  # role -> np.ndarray over candidates (bytes of one unit's in-flight spread)
+    spread_window: int  # units whose spread may be in flight at once
     role_group: dict  # role -> group index
     pairs: list  # tuples of roles gathered together
     constant_s: float
@@ -34,6 +37,7 @@ class GroupTerms:
         exposed = np.zeros((len(UNIT_GROUPS), len(cands)))
         state = np.zeros((len(UNIT_GROUPS), len(cands)))
         gathered: dict = {}
+        spread: dict = {}
         role_group: dict = {}
         for gi, group in enumerate(UNIT_GROUPS):
             for ci, d in enumerate(cands):
@@ -42,5 +46,7 @@ class GroupTerms:
                 for role, b in gc.gathered_bytes.items():
                     gathered.setdefault(role, np.zeros(len(cands)))[ci] = b
                     role_group[role] = gi
-        return cls(cands, exposed, state, gathered, role_group, model.buffer_pairs(), model.constant_time_s(),
-                   sum(model.constant_memory().values()), model.memory_budget())
+                for role, b in gc.spread_bytes.items():
+                    spread.setdefault(role, np.zeros(len(cands)))[ci] = b
+        return cls(cands, exposed, state, gathered, spread, model.spread_window, role_group, model.buffer_pairs(),
+                   model.constant_time_s(), sum(model.constant_memory().values()), model.memory_budget())

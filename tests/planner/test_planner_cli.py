@@ -72,3 +72,10 @@ def test_wandb_rows_match_columns():
     columns, rows = plan_cluster(workload_from_config(cfg, c), c, options_from_config(cfg)).wandb_table()
     assert rows and all(len(r) == len(columns) for r in rows)
     assert rows[0][0] == 1 and rows[0][2] == "auto"
+
+
+def test_spread_window_reaches_the_planner():
+    assert options_from_config(compose_config(["model=debug"])).spread_window == 2
+    assert options_from_config(compose_config(["model=debug", "amsp.spread_window=5"])).spread_window == 5
+    with pytest.raises(ValueError, match="amsp.spread_window=0 must be >= 1"):
+        options_from_config(compose_config(["model=debug", "amsp.spread_window=0"]))

@@ -118,6 +118,21 @@ def test_model_state_bytes_follow_the_degrees():
     assert (ddp32["params"], ddp32["grads"], ddp32["optim"]) == (4 * n32, 4 * n32, 8 * n32)
 
 
+def test_os_gradients_held_for_the_step_are_counted_where_they_get_a_buffer():
+    """The fp32 OS-shard gradient of every unit lives from the sync to the optimizer step: its own
+    buffer when the G->OS reduce-scatter makes it (os > g) or bf16 traffic is widened back to fp32,
+    a view of the G shard otherwise (amsp.flat_unit)."""
+    w32 = workload("tiny", precision="fp32")
+    m32 = CostModel(w32, flat_cluster(2, 8))
+    padded = sum(-(-u.numel // 16) * 16 for u in w32.units())
+    assert m32.evaluate(make_plan("ddp", 16, 8)).memory["grad_sync"] == 0
+    assert m32.evaluate(make_plan("zero2", 16, 8)).memory["grad_sync"] == 0  # os == g: a view
+    assert m32.evaluate(make_plan("zero1", 16, 8)).memory["grad_sync"] == 4 * padded // 16
+    w16 = workload("tiny", precision="bf16")  # bf16 gradient traffic
+    ddp16 = CostModel(w16, flat_cluster(2, 8)).evaluate(make_plan("ddp", 16, 8)).memory
+    assert ddp16["grad_sync"] == 4 * w16.params_per_rank()
+
+
 def test_activation_formula_and_recomputation_order():
     cfg = get_preset("llama2_7b")
     w = workload(cfg, seq_len=4096, mbs=1, precision="bf16")
@@ -180,3 +195,34 @@ def test_fixed_tensor_and_pipeline_degrees_scale_the_data_parallel_problem():
         CostModel(workload("tiny", tp=3), flat_cluster(2, 8))
     with pytest.raises(ValueError, match="assumed MFU"):
         Options(mfu=0)
+
+
+def test_spread_window_memory_term():
+    """The parameter spread's transient: window x the largest unit's in-flight bytes (its received S/p
+    buffer in the compute dtype, plus the master's cast in bf16; fp32 weights are the master), only
+    for units with os > p, the window capped at the number of units; the solvers' grid counts it too."""
+    w16 = workload("tiny", precision="bf16")
+    n_units = len(w16.units())
+
+    def term(w, plan, window):
+        return CostModel(w, flat_cluster(2, 8), Options(spread_window=window)).evaluate(make_plan(plan, 16, 8)).memory
+
+    def largest(w, pb, cast):  # zero1 on 16 ranks: p = 1 (receive the whole unit), os = 16
+        padded = [-(-u.numel // 16) * 16 for u in w.units()]
+        return max(s * pb + (s // 16 * pb if cast else 0) for s in padded)
+
+    one, two = term(w16, "zero1", 1), term(w16, "zero1", 2)  # zero1 = 1/1/16: every unit spreads
+    assert one["spread"] == largest(w16, 2, 1) > 0
+    assert two["spread"] == 2 * one["spread"]
+    assert term(w16, "zero1", 100)["spread"] == n_units * one["spread"]
+    assert sum(two.values()) - sum(one.values()) == one["spread"]  # the only part the window changes
+    assert term(w16, "ddp", 2)["spread"] == 0 and term(w16, "zero3", 2)["spread"] == 0  # os = p: no gather
+    w32 = workload("tiny", precision="fp32")
+    assert term(w32, "zero1", 2)["spread"] == 2 * largest(w32, 4, 0)
+    model1 = CostModel(w16, flat_cluster(2, 8), Options(spread_window=1))
+    model3 = CostModel(w16, flat_cluster(2, 8), Options(spread_window=3))
+    (_, m1), (_, m3) = grid(GroupTerms.build(model1)), grid(GroupTerms.build(model3))
+    i = GroupTerms.build(model1).candidates.index(Degrees(1, 1, 16))
+    assert m3[i, i] - m1[i, i] == pytest.approx(2 * one["spread"], rel=1e-12)
+    with pytest.raises(ValueError, match="spread_window"):
+        Options(spread_window=0)

@@ -1,0 +1,193 @@
+"""ShardedAdamW on its own: equal to torch.optim.AdamW + clip_grad_norm_ with both kernels, skipped
+non-finite steps, one host sync per step, and the kernel choice logged.
+
+The optimizer touches a unit only through its OS-shard tensors, decay segments and replica count,
+so the units here are plain namespaces; one of them has its master as a view into a larger buffer,
+as FlatUnit has in fp32 (master_is_weights)."""
+from __future__ import annotations
+
+import logging
+import math
+import types
+
+import pytest
+import torch
+
+from amsp.sharded_optim import AdamWSettings, ShardedAdamW, _segments
+
+SETTINGS = AdamWSettings(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=1.0)
+# (chunk, decay segments): a block-like unit (norm, matrices, norm, matrices, padding), one without
+# decay, one that is all decay
+SHAPES = [(1000, [(16, 400), (400, 700), (716, 990)]), (37, []), (300, [(0, 300)])]
+
+
+class _Handle:
+    def wait(self) -> None:
+        pass
+
+
+def _comm(world: int, replicas: int):
+    """world > 1: every rank holds the same shards (replicas = world), so the all_reduce multiplies
+    by the replica count and the 1/replicas weights must cancel it."""
+    def all_reduce(t, ranks, phase):
+        assert phase == "grad_norm" and ranks == tuple(range(world)) and t.shape == (1,)
+        t.mul_(replicas)
+        return _Handle()
+    return types.SimpleNamespace(topo=types.SimpleNamespace(world=world), rank=0, all_reduce=all_reduce)
+
+
+def _units(replicas: int = 1, seed: int = 0) -> list:
+    g = torch.Generator().manual_seed(seed)
+    units = []
+    for i, (chunk, segs) in enumerate(SHAPES):
+        if i == 0:  # the master is a view into the weights (fp32 compute: master_is_weights)
+            weights = torch.randn(chunk + 50, generator=g)
+            master = weights[25:25 + chunk]
+        else:
+            master = torch.randn(chunk, generator=g)
+        units.append(types.SimpleNamespace(
+            device=torch.device("cpu"), layout=types.SimpleNamespace(chunk=chunk), decay_segments=segs,
+            master=master, exp_avg=torch.zeros(chunk), exp_avg_sq=torch.zeros(chunk), replicas=replicas,
+            os_grad=None))
+    return units
+
+
+def _grads(step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    scale = 0.01 if step % 3 == 0 else 1.0  # some steps below the clip threshold, most above
+    return [torch.randn(chunk, generator=g) * scale for chunk, _ in SHAPES]
+
+
+def _reference(units: list, steps: int, lr, settings: AdamWSettings = SETTINGS, grad_mult: float = 1.0
+               ) -> tuple[list[list[torch.Tensor]], list[float]]:
+    """torch.optim.AdamW over one parameter per segment, clipped by clip_grad_norm_ (when on)."""
+    params, decay, no_decay = [], [], []
+    for u in units:
+        pieces = []
+        runs = _segments(u.layout.chunk, u.decay_segments)
+        for (_, d), t in zip(runs, torch.split(u.master, [n for n, _ in runs])):
+            p = torch.nn.Parameter(t.clone())
+            (decay if d else no_decay).append(p)
+            pieces.append(p)
+        params.append(pieces)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": settings.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=lr(0), betas=settings.betas,
+                            eps=settings.eps, foreach=False)
+    norms = []
+    for step in range(steps):
+        for grp in opt.param_groups:
+            grp["lr"] = lr(step)
+        for pieces, grad in zip(params, _grads(step)):
+            for p, gp in zip(pieces, torch.split(grad, [p.numel() for p in pieces])):
+                p.grad = gp * grad_mult
+        clip = settings.grad_clip if settings.grad_clip > 0 else math.inf
+        norms.append(torch.nn.utils.clip_grad_norm_([p for ps in params for p in ps], clip).item())
+        opt.step()
+    return [[p.detach() for p in ps] for ps in params], norms
+
+
+@pytest.mark.parametrize("kernel", ["fused", "foreach"])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_equals_torch_adamw_with_clipping(kernel, replicas):
+    steps = 20
+
+    def lr(step):
+        return 3e-3 * (step + 1) / steps
+
+    units = _units(replicas)
+    want, want_norms = _reference(units, steps, lr)
+    opt = ShardedAdamW(units, SETTINGS, _comm(replicas, replicas), kernel=kernel)
+    assert opt.kernel == kernel
+    for step in range(steps):
+        for u, grad in zip(units, _grads(step)):
+            u.os_grad = grad
+        res = opt.step(lr(step))
+        assert not res.skipped and res.lr == lr(step)
+        assert res.grad_norm == pytest.approx(want_norms[step], rel=1e-6)
+    assert opt.steps == steps
+    for u, pieces in zip(units, want):
+        ref = torch.cat(pieces)
+        err = ((u.master - ref).norm() / ref.norm()).item()
+        assert err <= 1e-6, f"{kernel}: master rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("kernel", ["fused", "foreach"])
+def test_clipping_off_and_no_weight_decay(kernel):
+    settings = AdamWSettings(betas=(0.8, 0.9), eps=1e-6, weight_decay=0.0, grad_clip=0.0)
+    units = _units()
+    want, want_norms = _reference(units, 5, lambda step: 1e-2, settings, grad_mult=10.0)
+    opt = ShardedAdamW(units, settings, _comm(1, 1), kernel=kernel)
+    for step in range(5):
+        for u, grad in zip(units, _grads(step)):
+            u.os_grad = grad * 10  # mostly far above 1: clipping would show
+        res = opt.step(1e-2)
+        assert res.grad_norm == pytest.approx(want_norms[step], rel=1e-6)
+    assert max(want_norms) > 10
+    for u, pieces in zip(units, want):
+        torch.testing.assert_close(u.master, torch.cat(pieces), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_non_finite_gradient_skips_the_step(bad):
+    units = _units()
+    opt = ShardedAdamW(units, SETTINGS, _comm(1, 1))
+    for u, grad in zip(units, _grads(0)):
+        u.os_grad = grad
+    opt.step(1e-3)
+    before = [(u.master.clone(), u.exp_avg.clone(), u.exp_avg_sq.clone()) for u in units]
+    for u, grad in zip(units, _grads(1)):
+        u.os_grad = grad
+    units[1].os_grad[3] = bad
+    res = opt.step(1e-3)
+    assert res.skipped and math.isnan(res.grad_norm) and opt.steps == 1
+    for u, (m, a, s) in zip(units, before):
+        assert torch.equal(u.master, m) and torch.equal(u.exp_avg, a) and torch.equal(u.exp_avg_sq, s)
+
+
+SYNCS = ("item", "cpu", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__")
+
+
+@pytest.mark.parametrize("kernel", ["fused", "foreach"])
+def test_one_host_sync_per_step(monkeypatch, kernel):
+    """Every way a tensor's value reaches Python is counted while step() runs: exactly one (the
+    all-reduced squared norm), whether the step applies or is skipped."""
+    units = _units(replicas=2)
+    opt = ShardedAdamW(units, SETTINGS, _comm(2, 2), kernel=kernel)
+    calls = []
+    for name in SYNCS:
+        orig = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _orig=orig, _name=name, **k):
+            calls.append(_name)
+            return _orig(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    for step, bad in enumerate([None, None, float("inf")]):
+        for u, grad in zip(units, _grads(step)):
+            u.os_grad = grad
+        if bad is not None:
+            units[0].os_grad[0] = bad
+        calls.clear()
+        res = opt.step(1e-3)
+        assert res.skipped == (bad is not None)
+        assert calls == ["item"], f"step {step}: host syncs {calls}"
+
+
+def test_kernel_choice_is_logged(caplog):
+    with caplog.at_level(logging.INFO, logger="amsp.sharded_optim"):
+        ShardedAdamW(_units(), SETTINGS, _comm(1, 1))
+    assert "torch._fused_adamw_" in caplog.text and "(available)" in caplog.text
+    meta = [types.SimpleNamespace(**{**vars(u), "device": torch.device("meta")}) for u in _units()]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="amsp.sharded_optim"):
+        opt = ShardedAdamW(meta, SETTINGS, _comm(1, 1))
+    assert opt.kernel == "foreach" and "no fused AdamW kernel for device type meta" in caplog.text
+    with pytest.raises(RuntimeError, match="no fused AdamW kernel for device type meta"):
+        ShardedAdamW(meta, SETTINGS, _comm(1, 1), kernel="fused")
+    with pytest.raises(ValueError, match="not one of"):
+        ShardedAdamW(_units(), SETTINGS, _comm(1, 1), kernel="apex")
+
+
+def test_segments_cover_the_chunk_in_order():
+    assert _segments(10, [(2, 4), (4, 7)]) == [(2, False), (2, True), (3, True), (3, False)]
+    assert _segments(5, []) == [(5, False)]
+    assert _segments(5, [(0, 5)]) == [(5, True)]
