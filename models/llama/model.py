@@ -7,7 +7,6 @@ materialise with `to_empty`, then call `init_weights(seed)`.
 from __future__ import annotations
 
 import math
-import zlib
 from functools import partial
 
 import torch
@@ -18,6 +17,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from . import fused
 from .backends import make_attention, resolve_attention, resolve_norm, rms_norm_reference
 from .config import LlamaConfig, RopeScaling
+from .init import init_slice_into
 
 IGNORE_INDEX = -100
 
@@ -125,6 +125,7 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,  # SDPA's first choice on H100 (backends.py)
 }
 
 
@@ -205,18 +206,12 @@ class Llama(nn.Module):
     # ---- initialisation ----
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
-        """Deterministic for a seed: each parameter draws from its own generator keyed by its name,
-        so the result does not depend on device, iteration order or how the model is wrapped."""
+        """Deterministic for a seed: every element's value depends only on (seed, parameter name,
+        index) and the config (models/llama/init.py), so a data-parallel wrapper that initialises
+        only its slices gets the same values. CPU and CUDA generators give different values."""
         self.init_rope()
-        std = 0.02
-        out_std = std / math.sqrt(2 * self.cfg.n_layers)  # scaled init of residual projections
         for name, p in self.named_parameters():
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-                continue
-            s = out_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else std
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(s).to(p.dtype))
+            init_slice_into(self.cfg, name, p.shape, 0, p.numel(), seed, p.view(-1))
 
     @torch.no_grad()
     def init_rope(self) -> None:
