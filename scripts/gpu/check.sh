@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The GPU check in one command, on a CUDA machine, from the repository root (about 9 minutes at most):
+#
+#     bash scripts/gpu/check.sh
+#
+# 1. installs the wheels from .whl/ (scripts/gpu/prepare_wheels.sh; skipped when there is no .whl/,
+#    e.g. on a cluster node where `pip install -e .` already ran) into /tmp/site, on PYTHONPATH;
+# 2. records the machine: nvidia-smi, torch / CUDA / cuDNN / transformers versions;
+# 3. runs every gpu-marked test (pytest -m gpu, which replaces pyproject's `-m 'not slow'`);
+# 4. runs scripts/bench/bench_gpu_vs_hf.py (this project vs transformers on the 1.88B shape) with
+#    whatever time is left, and writes its table to gpu_bench.md.
+# Results go to $OUT when it is set (the device tool brings that folder back), else to
+# scripts/gpu/results/. Each part has its own time limit; a failed part does not stop the next, and
+# the exit status is non-zero if any part failed. Environment knobs: PYTHON (interpreter, default
+# python3), GPU_CHECK_BUDGET_S (total seconds, default 540), GPU_TESTS_TIMEOUT_S (default 270),
+# BENCH_ARGS (extra arguments for the benchmark, e.g. "--rounds 1").
+set -u -o pipefail
+cd "$(dirname "$0")/../.."
+
+PY=${PYTHON:-python3}
+RESULTS=${OUT:-scripts/gpu/results}
+BUDGET=${GPU_CHECK_BUDGET_S:-540}
+TESTS_TIMEOUT=${GPU_TESTS_TIMEOUT_S:-270}
+mkdir -p "$RESULTS"
+export PYTHONUNBUFFERED=1
+START=$SECONDS
+SUMMARY=()
+FAILED=0
+
+# run_part NAME TIMEOUT_S COMMAND...: runs COMMAND with a time limit, its output to the terminal and to
+# $RESULTS/NAME.log; records the outcome.
+run_part() {
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  echo "==== $name (limit ${limit}s) ===="
+  timeout --signal=TERM --kill-after=20 "$limit" "$@" 2>&1 | tee "$RESULTS/$name.log"
+  local rc=${PIPESTATUS[0]}
+  local what="ok"
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    what="TIMED OUT after ${limit}s"
+  elif [ "$rc" -ne 0 ]; then
+    what="FAILED (exit $rc)"
+  fi
+  [ "$what" = ok ] || FAILED=1
+  SUMMARY+=("$(printf '%-10s %-28s %4ds' "$name" "$what" $((SECONDS - t0)))")
+}
+
+# ---- 1. wheels
+if ls .whl/*.whl >/dev/null 2>&1; then
+  run_part wheels 120 "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+else
+  echo "no .whl/ here: using the packages already installed (run scripts/gpu/prepare_wheels.sh to make it)"
+fi
+
+# ---- 2. the machine
+run_part env 120 "$PY" scripts/gpu/env_report.py
+
+# ---- 3. gpu-marked tests
+run_part gpu_tests "$TESTS_TIMEOUT" "$PY" -m pytest -m gpu -q -rs --continue-on-collection-errors \
+  -p no:cacheprovider tests
+
+# ---- 4. benchmark with the time that is left (the script stops starting rounds before its budget)
+left=$((BUDGET - (SECONDS - START) - 15))
+if [ "$left" -lt 90 ]; then
+  SUMMARY+=("$(printf '%-10s %-28s %4ds' bench "NOT RUN (${left}s left)" 0)")
+  FAILED=1
+else
+  # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
+  run_part bench "$left" "$PY" scripts/bench/bench_gpu_vs_hf.py --markdown "$RESULTS/gpu_bench.md" \
+    --json "$RESULTS/gpu_bench.json" --time-budget-s $((left - 30)) ${BENCH_ARGS:-}
+fi
+
+{
+  echo "==== summary ($((SECONDS - START))s; results in $RESULTS) ===="
+  printf '%s\n' "${SUMMARY[@]}"
+} | tee "$RESULTS/summary.txt"
+exit "$FAILED"
