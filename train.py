@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from amsp import control
 from amsp.checkpoint import CheckpointManager
+from amsp.errors import RunError, one_line_errors
 from amsp.launch import DistEnv, init_distributed, log_backend_choices
 from amsp.metrics import MetricsLogger, StepTimer, resolve_peak
 from amsp.metrics.plot import plot_run
@@ -34,13 +35,12 @@ from amsp.planner import plan_for_run
 from amsp.resilience import Heartbeat, NaNInjector, PreemptionHandler, SkipGuard, TooManySkippedSteps, die_now
 from amsp.train_state import load_training_state, save_training_state
 from configs.schema import register_configs, to_llama_config
-from configs.validate import ConfigError, validate_config
+from configs.validate import validate_config
 from data.loader import MicroBatchLoader, validation_batches
 from data.pipeline import build_data
 from models.llama import flops_per_token
 
 log = logging.getLogger("train")
-CONFIG_ERROR_EXIT = 2  # a value the user must change; runtime faults exit 1 (or the signal's code)
 register_configs()
 
 
@@ -109,11 +109,13 @@ def make_metrics(cfg: DictConfig, denv: DistEnv, run_dir: pathlib.Path, device: 
 
 @hydra.main(version_base=None, config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
-    try:
-        validate_config(cfg)  # before any process group, file or model state exists
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(CONFIG_ERROR_EXIT)
+    # Known failures end as one line and an exit code that says input (2) or fault (3): amsp/errors.py.
+    with one_line_errors(OmegaConf.select(cfg, "logging.level")):
+        run(cfg)
+
+
+def run(cfg: DictConfig) -> None:
+    validate_config(cfg)  # before any process group, file or model state exists
     # trainer.device=cpu on a GPU node: the data plane must be gloo, or CPU tensors would meet NCCL.
     denv = init_distributed(backend="gloo" if cfg.trainer.device == "cpu" else None,
                             timeout_s=cfg.trainer.collective_timeout_s)
@@ -254,7 +256,7 @@ def main(cfg: DictConfig) -> None:
                 save(step)
             validate(step)
         ckpt.wait()
-    except (TooManySkippedSteps, KeyboardInterrupt):
+    except (TooManySkippedSteps, RunError, KeyboardInterrupt):
         raise
     except Exception as e:  # a collective failed or timed out: a peer died or hangs
         if denv.world_size > 1:

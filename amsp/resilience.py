@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import control
+from .errors import FaultError
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,9 @@ class PreemptionHandler:
         return control.all_reduce_max_int(self.received)
 
 
-class TooManySkippedSteps(RuntimeError):
-    pass
+class TooManySkippedSteps(FaultError):
+    """The run stopped after K consecutive non-finite steps (a checkpoint of the last good state
+    was written first)."""
 
 
 class SkipGuard:

@@ -1,0 +1,94 @@
+"""The failures a run reports as one line, and the exit codes that tell them apart.
+
+A week-long job's log is read by a person and by a scheduler. Known failures are therefore one line
+that names what to change, never a traceback (set HYDRA_FULL_ERROR=1 or logging.level=DEBUG for
+one), and the exit code says whose move it is:
+
+    0  the run finished (or stopped cleanly on a preemption signal, with a checkpoint)
+    1  an unexpected error: a bug, shown with its traceback
+    2  INPUT: the config, the data, the tokenizer or a checkpoint does not fit; rerunning the same
+       command fails the same way (a scheduler should not requeue)
+    3  FAULT: the run met a runtime fault (a peer that stopped answering, a full disk, a damaged
+       checkpoint with nothing verified to fall back to, no memory); it can be retried or resumed
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from contextlib import contextmanager
+
+log = logging.getLogger(__name__)
+
+EXIT_INPUT = 2
+EXIT_FAULT = 3
+
+
+class RunError(Exception):
+    """A known failure with a one-line message; exit_code says whether it is input or fault."""
+
+    exit_code = EXIT_FAULT
+    kind = "fault"
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))  # one line, whatever the caller built
+
+
+class InputError(RunError):
+    """Something the user must change (config value, data file, tokenizer, incompatible resume)."""
+
+    exit_code = EXIT_INPUT
+    kind = "input error"
+
+
+class FaultError(RunError):
+    """A runtime fault the run could not get past (it may succeed when retried or resumed)."""
+
+    exit_code = EXIT_FAULT
+    kind = "fault"
+
+
+def _input_types() -> tuple[type, ...]:
+    # Imported lazily: this module must stay importable from every layer without cycles.
+    from amsp.plan import PlanError
+    from amsp.planner.report import NoFeasiblePlan
+    from configs.validate import ConfigError
+    from data.errors import DataError
+
+    return InputError, ConfigError, DataError, PlanError, NoFeasiblePlan
+
+
+def classify(exc: BaseException) -> tuple[int, str] | None:
+    """(exit code, kind) for a known failure; None for anything else (a bug: keep the traceback)."""
+    if isinstance(exc, RunError):
+        return exc.exit_code, exc.kind
+    from configs.validate import ConfigError
+
+    if isinstance(exc, ConfigError):
+        return EXIT_INPUT, "config error"
+    if isinstance(exc, _input_types()):
+        return EXIT_INPUT, "input error"
+    return None
+
+
+def tracebacks_requested(level: str | None = None) -> bool:
+    return os.environ.get("HYDRA_FULL_ERROR") == "1" or (level or "").upper() == "DEBUG"
+
+
+@contextmanager
+def one_line_errors(level: str | None = None):
+    """Turn known failures into one line on stderr and their exit code (sys.exit, so Hydra adds
+    nothing); anything else propagates with its traceback."""
+    try:
+        yield
+    except BaseException as exc:  # noqa: B902 - DCP raises BaseException subclasses
+        known = classify(exc)
+        if known is None or tracebacks_requested(level):
+            raise
+        code, kind = known
+        rank = os.environ.get("RANK")
+        prefix = f"rank {rank}: " if rank not in (None, "0") else ""
+        for h in logging.getLogger().handlers:
+            h.flush()
+        print(f"{prefix}{kind}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(code)
