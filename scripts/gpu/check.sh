@@ -13,7 +13,10 @@
 # scripts/gpu/results/. Each part has its own time limit; a failed part does not stop the next, and
 # the exit status is non-zero if any part failed. Environment knobs: PYTHON (interpreter, default
 # python3), GPU_CHECK_BUDGET_S (total seconds, default 540), GPU_TESTS_TIMEOUT_S (default 270),
-# BENCH_ARGS (extra arguments for the benchmark, e.g. "--rounds 1").
+# BENCH_ARGS (extra arguments for the benchmark, e.g. "--rounds 1"), GPU_CHECK_PARTS (default
+# "tests,bench"; "memory" runs scripts/bench/bench_gpu_memory.py instead: measured peak memory against
+# the planner's prediction for several plans as rank 0 of a pretend world of 8, into gpu_memory.md —
+# a call of its own, since one device call brings back at most 8 files).
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 
@@ -58,13 +61,23 @@ fi
 # ---- 2. the machine
 run_part env 120 "$PY" scripts/gpu/env_report.py
 
+PARTS=",${GPU_CHECK_PARTS:-tests,bench},"
+
 # ---- 3. gpu-marked tests
-run_part gpu_tests "$TESTS_TIMEOUT" "$PY" -m pytest -m gpu -q -rs --continue-on-collection-errors \
+[[ $PARTS == *,tests,* ]] && run_part gpu_tests "$TESTS_TIMEOUT" "$PY" -m pytest -m gpu -q -rs --continue-on-collection-errors \
   -p no:cacheprovider tests
 
-# ---- 4. benchmark with the time that is left (the script stops starting rounds before its budget)
+# ---- 4. planner memory against measured peaks (its own call: GPU_CHECK_PARTS=memory)
+if [[ $PARTS == *,memory,* ]]; then
+  run_part memory $((BUDGET - (SECONDS - START) - 15)) env AMSP_PRETEND_WORLD=8 "$PY" \
+    scripts/bench/bench_gpu_memory.py --out "$RESULTS/gpu_memory"
+fi
+
+# ---- 5. benchmark with the time that is left (the script stops starting rounds before its budget)
 left=$((BUDGET - (SECONDS - START) - 15))
-if [ "$left" -lt 90 ]; then
+if [[ $PARTS != *,bench,* ]]; then
+  :
+elif [ "$left" -lt 90 ]; then
   SUMMARY+=("$(printf '%-10s %-28s %4ds' bench "NOT RUN (${left}s left)" 0)")
   FAILED=1
 else

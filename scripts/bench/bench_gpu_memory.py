@@ -1,0 +1,139 @@
+"""Measured peak GPU memory against the planner's prediction, per plan, as one rank of a pretend world.
+
+One process poses as rank 0 of an N-rank world (AMSP_PRETEND_WORLD=N: torch's fake backend, whose
+collectives return at once and move no data), so it allocates exactly what a rank of that world
+allocates: its shards, the gathered units, the gradient buffers, the spread window, activations.
+For each plan it trains a few steps and compares torch.cuda.max_memory_allocated with the cost
+model's per-rank memory before its safety reserve (amsp/planner/cost_model.py `evaluate`). The
+issue's acceptance: within 10% for at least four plans, and no plan predicted to fit runs out of
+memory. The fake backend leaves received buffers uninitialised, so a step may see a non-finite
+norm and be skipped (no spread then): the table says when that happened.
+
+    AMSP_PRETEND_WORLD=8 python scripts/bench/bench_gpu_memory.py            # on one GPU
+    AMSP_PRETEND_WORLD=8 python scripts/bench/bench_gpu_memory.py --plans 1/1/8,8/8/8 --layers 2 --seq 1024
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from amsp.engine import AMSPEngine, EngineOptions  # noqa: E402
+from amsp.launch import init_distributed  # noqa: E402
+from amsp.plan import Degrees, Plan  # noqa: E402
+from amsp.planner.cluster import cluster_from_config  # noqa: E402
+from amsp.planner.cost_model import CostModel, Options  # noqa: E402
+from amsp.planner.workload import Workload  # noqa: E402
+from amsp.schedule import Precision  # noqa: E402
+from amsp.topology import Topology  # noqa: E402
+from configs.schema import ClusterConfig  # noqa: E402
+from models.llama import get_preset  # noqa: E402
+
+GIB = 2**30
+
+
+def cluster(world: int):
+    preset = OmegaConf.load(ROOT / "configs/cluster/h100x8.yaml")
+    preset.pop("defaults", None)
+    return cluster_from_config(OmegaConf.merge(OmegaConf.structured(ClusterConfig), preset), nodes=1,
+                               ranks_per_node=world)
+
+
+def predicted_bytes(cfg, plan: Plan, world: int, seq: int, micro: int, window: int) -> tuple[float, dict]:
+    # bf16 weights, fp32 gradient reduction (the engine's defaults on CUDA).
+    w = Workload(cfg, seq, 1, micro, Precision(param_bytes=2, grad_bytes=4), cfg.activation_checkpointing)
+    cost = CostModel(w, cluster(world), Options(spread_window=window)).evaluate(plan)
+    parts = {k: v for k, v in cost.memory.items() if k != "reserved"}
+    return float(sum(parts.values())), parts
+
+
+def measure(cfg, plan: Plan, world: int, seq: int, micro: int, steps: int, window: int) -> dict:
+    device = torch.device("cuda", 0)
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    eng = AMSPEngine(cfg, plan, Topology(world, world), rank=0, seed=0, device=device,
+                     options=EngineOptions(precision="bf16", spread_window=window))
+    skipped = 0
+    try:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        for _ in range(steps):
+            for m in range(micro):
+                x = torch.randint(0, cfg.vocab_size, (1, seq + 1), generator=gen)
+                eng.forward_backward(x[:, :-1], x[:, 1:], m, micro)
+            skipped += eng.step(1e-4).skipped
+        torch.cuda.synchronize()
+        return {"peak": torch.cuda.max_memory_allocated() - base, "skipped": skipped,
+                "seconds": time.perf_counter() - t0}
+    finally:
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="llama2_7b")
+    ap.add_argument("--layers", type=int, default=4)  # 1.07B parameters with llama2_7b
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--micro", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--window", type=int, default=2)
+    ap.add_argument("--plans", default="1/1/8,2/8/8,8/8/8,1/8/8")
+    ap.add_argument("--checkpointing", default="none,full", help="model.activation_checkpointing values")
+    ap.add_argument("--out", default=None, help="write the table (markdown) and raw rows (.json) here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_gpu_memory.py measures GPU memory: it needs CUDA")
+    denv = init_distributed(timeout_s=60)
+    world = denv.world_size
+    if denv.launcher != "pretend":
+        sys.exit("run it as one rank of a pretend world: AMSP_PRETEND_WORLD=N python scripts/bench/bench_gpu_memory.py")
+    rows = []
+    for ckpt in args.checkpointing.split(","):
+        cfg = get_preset(args.preset).with_overrides(n_layers=args.layers, activation_checkpointing=ckpt)
+        for text in args.plans.split(","):
+            deg = Degrees(*map(int, text.split("/")))
+            plan = Plan(deg, deg, name="bench")
+            want, parts = predicted_bytes(cfg, plan, world, args.seq, args.micro, args.window)
+            row = {"plan": text, "checkpointing": ckpt, "predicted_gib": want / GIB,
+                   "parts_gib": {k: round(v / GIB, 3) for k, v in parts.items()}}
+            try:
+                got = measure(cfg, plan, world, args.seq, args.micro, args.steps, args.window)
+                row.update(measured_gib=got["peak"] / GIB, skipped_steps=got["skipped"],
+                           error_pct=100 * (want - got["peak"]) / got["peak"], seconds=got["seconds"])
+            except torch.OutOfMemoryError as e:
+                row.update(measured_gib=None, error=f"out of memory: {str(e).splitlines()[0]}")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    lines = [f"{args.preset} x {args.layers} layers, seq {args.seq}, {args.micro} micro-batches of 1, rank 0 of a "
+             f"pretend world of {world}, bf16, spread window {args.window}, {torch.cuda.get_device_name()}",
+             "", "| plan | checkpointing | predicted GiB (no reserve) | measured peak GiB | prediction error | "
+             "skipped steps |", "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        if r.get("measured_gib") is None:
+            lines.append(f"| {r['plan']} | {r['checkpointing']} | {r['predicted_gib']:.2f} | {r['error']} | | |")
+        else:
+            lines.append(f"| {r['plan']} | {r['checkpointing']} | {r['predicted_gib']:.2f} | {r['measured_gib']:.2f} "
+                         f"| {r['error_pct']:+.1f}% | {r['skipped_steps']} |")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        Path(args.out).with_suffix(".md").write_text(table + "\n")
+        Path(args.out).with_suffix(".json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
