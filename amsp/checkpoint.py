@@ -12,11 +12,22 @@ Atomicity: a save is written to checkpoints/.tmp-step_N, then published by renam
 step_N and replacing the `latest` pointer file (both atomic renames). A crash mid-save leaves
 the previous checkpoint and pointer untouched; stale temporaries are removed at the next start.
 
+Verification (amsp/checkpoint_verify.py): every saved chunk carries a crc32 in a per-rank
+manifest (checksums/__<rank>.json), written, fsynced and read back inside DCP's save, so every rank
+agrees before anything is published; rank 0 then writes meta.json, config.yaml and the `verified`
+mark (all fsynced) and only then renames. Loading checks every chunk it reads; a damaged checkpoint
+(checksum mismatch, truncated or missing file, unreadable metadata) is one line naming the file,
+and `load_latest` falls back to the newest verified older checkpoint. Weights holding NaN/Inf are
+never written. Pruning keeps the newest verified checkpoint and the one taken before the latest
+run of skipped (non-finite) steps. train.py takes a lock (checkpoints/.lock: pid and host) so a
+second run in the same directory is refused.
+
 Every collective here is a control value: the barriers and DCP's own object exchanges run on the
 control plane (amsp.control, a CPU group), never on the data plane's NCCL group.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import logging
@@ -37,6 +48,10 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from models.llama.dcp_safe import SafeFileSystemReader
 
 from . import control
+from .checkpoint_verify import (VERIFIED, ChecksumMixin, CheckpointDamaged, CheckpointMismatch, InputError, NonFiniteCheckpoint,
+                                RunDirLock, VerifyingReader, VerifyingWriter, all_finite, read_manifests,
+                                save_failure, unwrap)
+from .errors import FaultError, RunError
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
@@ -59,10 +74,12 @@ class Fragment:
         return ChunkStorageMetadata(offsets=torch.Size([self.offset]), sizes=torch.Size([self.tensor.numel()]))
 
 
-class _FragmentSavePlanner(DefaultSavePlanner):
-    def __init__(self, fragments: list[Fragment]):
+class _FragmentSavePlanner(ChecksumMixin, DefaultSavePlanner):
+    def __init__(self, fragments: list[Fragment], checksums: bool = True):
         super().__init__()
         self.fragments = {f.key: f for f in fragments if f.primary and f.tensor.numel() > 0}
+        self.checksums: dict[str, int] = {}
+        self.checksum = checksums
 
     def create_local_plan(self):
         plan = super().create_local_plan()
@@ -76,9 +93,8 @@ class _FragmentSavePlanner(DefaultSavePlanner):
 
     def resolve_data(self, write_item):
         frag = self.fragments.get(write_item.index.fqn)
-        if frag is not None:
-            return frag.tensor.detach()
-        return super().resolve_data(write_item)
+        data = frag.tensor.detach() if frag is not None else super().resolve_data(write_item)
+        return self._checksum_resolved(write_item, data) if self.checksum else data
 
 
 class _FragmentLoadPlanner(DefaultLoadPlanner):
@@ -118,21 +134,45 @@ def _fsync_dir(path: Path) -> None:
 class CheckpointManager:
     """Save / find / load checkpoints under RUN_DIR/checkpoints with a `latest` pointer."""
 
-    def __init__(self, run_dir: str | Path, keep_last: int = 3, async_save: bool = False):
+    def __init__(self, run_dir: str | Path, keep_last: int = 3, async_save: bool = False, lock: bool = False,
+                 checksums: bool = True):
         self.root = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
         self.async_save = async_save
+        self.checksums = checksums  # False only for measuring their cost (scripts/bench/bench_checkpoint.py)
         self._pending: threading.Thread | None = None
         self._pending_error: BaseException | None = None
+        self._lock = RunDirLock(self.root) if lock and not control.pretend_world() else None
         # DCP's collectives for a background save run on a CPU group of their own, never interleaving
         # with the main thread's control collectives (the per-step signal check among them).
         self._group = control.new_cpu_group() if async_save else None
+        error = None
         if _is_main():
-            self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(TMP_PREFIX + "*"):
-                log.warning("removing incomplete checkpoint %s (a save was interrupted)", stale)
-                shutil.rmtree(stale, ignore_errors=True)
-        control.barrier()
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                if self._lock is not None:  # before touching anything a live run may be writing
+                    note = self._lock.acquire()
+                    if note:
+                        log.warning(note)
+                    atexit.register(self._lock.release)
+                for stale in self.root.glob(TMP_PREFIX + "*"):
+                    log.warning("removing incomplete checkpoint %s (a save was interrupted)", stale)
+                    shutil.rmtree(stale, ignore_errors=True)
+            except PermissionError as e:
+                error = InputError(f"cannot write checkpoints to {self.root}: {e.strerror}; set trainer.output_dir "
+                                   f"to a writable directory")
+            except RunError as e:
+                error = e
+        # Every rank leaves with the same outcome (rank 0's message, one line each).
+        failed = control.all_reduce_max_int(1 if error is not None else 0)
+        if error is not None:
+            raise error
+        if failed:
+            raise InputError(f"rank 0 could not open {self.root} (see its message)")
+
+    def close(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
 
     # -- discovery --
     def latest(self) -> Path | None:
@@ -142,8 +182,12 @@ class CheckpointManager:
         name = pointer.read_text().strip()
         path = self.root / name
         if not name.startswith(STEP_PREFIX) or not (path / "meta.json").exists():
-            raise FileNotFoundError(f"{pointer} points at {name!r}, which is not a complete checkpoint")
+            raise CheckpointDamaged(f"{pointer} points at {name!r}, which is not a complete checkpoint")
         return path
+
+    def verified(self) -> list[Path]:
+        """Verified checkpoints, newest first."""
+        return sorted((p for p in self.root.glob(STEP_PREFIX + "*") if (p / VERIFIED).is_file()), reverse=True)
 
     @staticmethod
     def step_dir_name(step: int) -> str:
@@ -151,42 +195,76 @@ class CheckpointManager:
 
     # -- saving --
     def save(self, step: int, fragments: list[Fragment], tensors: dict[str, torch.Tensor], meta: dict,
-             config_yaml: str) -> Path | None:
+             config_yaml: str, final: bool = False) -> Path | None:
         """Collective: every rank calls it. Returns the final path (published now, or when async
-        completes); None in a pretend world, where nothing is written."""
+        completes); None in a pretend world, where nothing is written, or when the weights hold
+        NaN/Inf (a WARNING; for the final save, `final=True`, a NonFiniteCheckpoint)."""
         if control.pretend_world():
             # DCP's coordinator needs every rank's plan, and the fake backend brings none.
             log.warning("pretend world: step %d is not checkpointed (the other ranks' shards do not exist)", step)
             return None
         self.wait()
+        bad = next((f.key for f in fragments if f.primary and not all_finite(f.tensor)), None)
+        if control.all_reduce_max_int(1 if bad is not None else 0):
+            keep = self.latest_name()
+            what = f"{bad} holds NaN/Inf" if bad else "a tensor on another rank holds NaN/Inf"
+            if final:
+                raise NonFiniteCheckpoint(f"checkpoint step {step} not written: {what}; the last checkpoint "
+                                          f"{keep or '(none)'} in {self.root} is kept")
+            if bad is not None or _is_main():
+                log.warning("checkpoint step %d not written: %s; keeping %s", step, what, keep or "(none)")
+            return None
         name = self.step_dir_name(step)
-        tmp, final = self.root / (TMP_PREFIX + name), self.root / name
+        tmp, final_dir = self.root / (TMP_PREFIX + name), self.root / name
+        error = None
         if _is_main():
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        control.barrier()
-        meta = {**meta, "step": step, "format_version": FORMAT_VERSION}
+            try:
+                tmp.mkdir(parents=True)
+            except OSError as e:
+                error = save_failure(step, tmp, e)
+        if control.all_reduce_max_int(1 if error is not None else 0):
+            raise error if error is not None else FaultError(f"checkpoint step {step}: rank 0 could not create {tmp}")
+        meta = {**meta, "step": step, "format_version": FORMAT_VERSION, "checksums": self.checksums}
         if self.async_save:
             # Snapshot now; training may change the live tensors while the thread writes.
             fragments = [dataclasses.replace(f, tensor=f.tensor.detach().clone()) for f in fragments]
             tensors = {k: v.detach().clone() for k, v in tensors.items()}
             self._pending = threading.Thread(target=self._write_and_publish, name=f"ckpt-save-{step}",
-                                             args=(step, tmp, final, fragments, tensors, meta, config_yaml),
+                                             args=(step, tmp, final_dir, fragments, tensors, meta, config_yaml),
                                              daemon=False)
             self._pending.start()
         else:
-            self._write_and_publish(step, tmp, final, fragments, tensors, meta, config_yaml)
-        return final
+            self._write_and_publish(step, tmp, final_dir, fragments, tensors, meta, config_yaml)
+            # Every rank leaves a synchronous save with the same outcome (rank 0 alone publishes).
+            if control.all_reduce_max_int(1 if self._pending_error is not None else 0):
+                err, self._pending_error = self._pending_error, None
+                raise err if err is not None else FaultError(
+                    f"checkpoint step {step}: rank 0 could not publish {final_dir} (see its message)")
+        return final_dir
+
+    def latest_name(self) -> str | None:
+        try:
+            return (self.root / "latest").read_text().strip() or None
+        except OSError:
+            return None
 
     def _write_and_publish(self, step, tmp: Path, final: Path, fragments, tensors, meta, config_yaml) -> None:
         try:
             group = self._group if self._group is not None else control.group()
-            dcp.save(dict(tensors), storage_writer=dcp.FileSystemWriter(tmp),
-                     planner=_FragmentSavePlanner(fragments), process_group=group)
-            # dcp.save returns on the coordinator only after every rank's data is written.
+            planner = _FragmentSavePlanner(fragments, checksums=self.checksums)
+            writer = VerifyingWriter(tmp, planner) if self.checksums else dcp.FileSystemWriter(tmp)
+            dcp.save(dict(tensors), storage_writer=writer, planner=planner, process_group=group)
+            # dcp.save returns on every rank only after every rank's data and manifest are written,
+            # synced and read back, and the coordinator found a checksum for every chunk.
             if _is_main():
-                (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
-                (tmp / "config.yaml").write_text(config_yaml)
+                for name, text in (("meta.json", json.dumps(meta, indent=1, sort_keys=True)),
+                                   ("config.yaml", config_yaml),
+                                   (VERIFIED, json.dumps({"step": step, "checksums": self.checksums}) + "\n")):
+                    with open(tmp / name, "w") as f:  # `verified` last: it vouches for the rest
+                        f.write(text)
+                        f.flush()
+                        os.fsync(f.fileno())
                 _fsync_dir(tmp)
                 if final.exists():
                     shutil.rmtree(final)
@@ -197,16 +275,41 @@ class CheckpointManager:
                 _fsync_dir(self.root)
                 log.info("saved checkpoint step %d to %s", step, final)
                 self._prune()
-        except BaseException as e:  # surfaced by wait() in the main thread
-            self._pending_error = e
-            if not self.async_save:
-                raise
+        except BaseException as e:  # surfaced by wait() in the main thread (or below, synchronously)
+            self._pending_error = save_failure(step, tmp, e)
+            if _is_main():
+                shutil.rmtree(tmp, ignore_errors=True)  # frees the space; `latest` was never touched
+            if not self.async_save and self._pending_error is e:
+                raise  # not a known failure: keep its traceback
 
     def _prune(self) -> None:
+        """Keep the last `keep_last` checkpoints, plus the newest verified one and the one taken
+        before the latest run of skipped (non-finite) steps (meta "skipped_steps" grew after it)."""
         if self.keep_last <= 0:
             return
         steps = sorted(p for p in self.root.glob(STEP_PREFIX + "*") if p.is_dir())
+        protected = set(self.verified()[:1])
+
+        def skips(p: Path):  # (total skipped steps, consecutive skipped steps) when it was saved
+            try:
+                m = json.loads((p / "meta.json").read_text())
+                return int(m.get("skipped_steps", 0)), int(m.get("consecutive_skips", 0))
+            except (OSError, ValueError, TypeError, AttributeError):
+                return None
+
+        counts = [skips(p) for p in steps]
+        # The newest checkpoint saved outside a run of skips (consecutive 0) after which skips happened.
+        for i in range(len(steps) - 2, -1, -1):
+            if counts[i] is not None and counts[i + 1] is not None and counts[i][1] == 0 \
+                    and counts[i + 1][0] > counts[i][0]:
+                protected.add(steps[i])
+                break
         for old in steps[:-self.keep_last]:
+            if old in protected:
+                log.info("keeping %s past keep_last_checkpoints=%d (%s)", old.name, self.keep_last,
+                         "the newest verified checkpoint" if old in self.verified()[:1]
+                         else "the last one before a run of skipped steps")
+                continue
             shutil.rmtree(old, ignore_errors=True)
 
     def wait(self) -> None:
@@ -216,27 +319,115 @@ class CheckpointManager:
             self._pending = None
         if self._pending_error is not None:
             err, self._pending_error = self._pending_error, None
+            if isinstance(err, RunError):
+                raise err
             raise RuntimeError(f"asynchronous checkpoint save failed: {err}") from err
 
     # -- loading --
     def load(self, path: Path, fragments: list[Fragment], tensors: dict[str, torch.Tensor]) -> dict:
-        """Collective. Fills every fragment and tensor in place; returns meta.json."""
+        """Collective. Fills every fragment and tensor in place; returns meta.json. A damaged
+        checkpoint is a CheckpointDamaged naming the file (on every rank)."""
         if control.pretend_world():
             raise RuntimeError(f"a pretend world (AMSP_PRETEND_WORLD) cannot load {path}: the fake backend "
                                f"cannot run DCP's exchange between ranks; use a fresh run directory or "
                                f"trainer.resume=false")
-        meta_path = path / "meta.json"
-        if not meta_path.exists():
-            raise FileNotFoundError(f"{path} is not a complete checkpoint (no meta.json)")
-        meta = json.loads(meta_path.read_text())
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{path}: checkpoint format {meta.get('format_version')} is not the supported "
-                             f"format {FORMAT_VERSION}")
-        reader = SafeFileSystemReader(path)
-        _check_compatible(path, reader.read_metadata(), fragments, tensors)
-        dcp.load(tensors, storage_reader=reader, planner=_FragmentLoadPlanner(fragments),
-                 process_group=control.group())
+        error, meta, reader = None, None, None
+        try:
+            meta = _read_meta(path)
+            checksums = read_manifests(path) if meta.get("checksums") else None
+            if checksums is not None and not checksums:
+                raise CheckpointDamaged(f"{path}/checksums: missing (meta.json says the save was checksummed)")
+            reader = VerifyingReader(path, checksums)
+            try:
+                metadata = reader.read_metadata()
+            except FileNotFoundError:
+                raise CheckpointDamaged(f"{path}/.metadata: file missing") from None
+            except Exception as e:
+                raise CheckpointDamaged(f"{path}/.metadata: unreadable ({type(e).__name__}: "
+                                        f"{str(e).splitlines()[0] if str(e) else ''})") from None
+            _check_compatible(path, metadata, fragments, tensors)
+        except RunError as e:
+            error = e
+        # Agree before DCP starts: a rank that stopped here would leave the others in its exchange.
+        if control.all_reduce_max_int(1 if error is not None else 0):
+            raise error if error is not None else CheckpointDamaged(f"{path}: another rank could not read it")
+        try:
+            dcp.load(tensors, storage_reader=reader, planner=_FragmentLoadPlanner(fragments),
+                     process_group=control.group())
+        except BaseException as e:  # noqa: B902 - DCP wraps every rank's failure in a BaseException
+            damaged = unwrap(e, CheckpointDamaged)
+            if damaged is not None:
+                raise CheckpointDamaged(str(damaged)) from None
+            os_err = unwrap(e, OSError)
+            if isinstance(os_err, OSError):
+                raise CheckpointDamaged(f"{os_err.filename or path}: {os_err.strerror or os_err}") from None
+            raise
         return meta
+
+    def load_latest(self, load_fn) -> tuple[Path, dict] | None:
+        """Collective. Load the checkpoint `latest` names with load_fn(path) -> meta; when it is
+        damaged or missing, fall back to the newest verified older one (a WARNING naming both). None
+        when there is no checkpoint; FaultError when none is usable."""
+        pointer = self.root / "latest"
+        name, verified = self.latest_name(), self.verified()
+        if name is None:
+            if not verified:
+                return None  # a fresh run directory
+            queue, reason = verified, f"{pointer} is missing"
+        else:
+            first, older = self.root / name, [p for p in verified if p.name < name]
+            if first.is_dir():
+                queue, reason = [first] + older, None
+            else:
+                queue, reason = older, f"{pointer} names {name}, which does not exist"
+        tried: list[str] = []
+        for path in queue:
+            if reason is not None:
+                log.warning("%s; falling back to the newest verified checkpoint %s", reason, path.name)
+            try:
+                meta = load_fn(path)
+            except CheckpointDamaged as e:
+                reason = f"checkpoint {path.name} is damaged: {e}"
+                tried.append(path.name)
+                continue
+            if path.name != name:
+                self._set_aside(tried, path)
+            return path, meta
+        raise FaultError(f"no usable checkpoint in {self.root}: {reason}; no older verified checkpoint to fall "
+                         f"back to (start afresh with trainer.resume=false or another trainer.run_name)")
+
+    def _set_aside(self, damaged: list[str], good: Path) -> None:
+        """Rename damaged checkpoints out of the way (kept for inspection, never pruned into the
+        good ones' place) and point `latest` at the one loaded."""
+        if _is_main():
+            for n in damaged:
+                src = self.root / n
+                if src.exists():
+                    os.replace(src, self.root / f"damaged-{n}")
+                    log.warning("moved damaged checkpoint %s to %s", src, self.root / f"damaged-{n}")
+            pointer_tmp = self.root / ".latest.tmp"
+            pointer_tmp.write_text(good.name + "\n")
+            os.replace(pointer_tmp, self.root / "latest")
+            _fsync_dir(self.root)
+        control.barrier()
+
+
+def _read_meta(path: Path) -> dict:
+    meta_path = path / "meta.json"
+    if not path.is_dir():
+        raise CheckpointDamaged(f"{path}: checkpoint directory missing")
+    try:
+        meta = json.loads(meta_path.read_text())
+        if not isinstance(meta, dict):
+            raise ValueError("not a JSON object")
+    except FileNotFoundError:
+        raise CheckpointDamaged(f"{meta_path}: file missing") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointDamaged(f"{meta_path}: unreadable ({type(e).__name__}: {e})") from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointDamaged(f"{meta_path}: checkpoint format {meta.get('format_version')} is not the "
+                                f"supported format {FORMAT_VERSION}")
+    return meta
 
 
 def _check_compatible(path: Path, metadata, fragments: list[Fragment], tensors: dict[str, torch.Tensor]) -> None:
@@ -244,10 +435,11 @@ def _check_compatible(path: Path, metadata, fragments: list[Fragment], tensors: 
     stored = metadata.state_dict_metadata
     for f in fragments:
         if f.key not in stored:
-            raise KeyError(f"{path}: checkpoint has no entry {f.key!r}; it was written for a different model")
+            raise CheckpointMismatch(f"{path}: checkpoint has no entry {f.key!r}; it was written for a different "
+                                     f"model")
         if tuple(stored[f.key].size) != (f.global_numel,):
-            raise ValueError(f"{path}: checkpoint entry {f.key!r} has {tuple(stored[f.key].size)} elements, "
+            raise CheckpointMismatch(f"{path}: checkpoint entry {f.key!r} has {tuple(stored[f.key].size)} elements, "
                              f"the model needs ({f.global_numel},); it was written for a different model shape")
     missing = [k for k in tensors if k not in stored]
     if missing:
-        raise KeyError(f"{path}: checkpoint lacks {missing}")
+        raise CheckpointMismatch(f"{path}: checkpoint lacks {missing}; it was written by a different setup")

@@ -28,14 +28,15 @@ def rng_tensors() -> dict[str, torch.Tensor]:
     return out
 
 
-def save_training_state(mgr: CheckpointManager, engine, step: int, meta: dict, config_yaml: str) -> Path:
+def save_training_state(mgr: CheckpointManager, engine, step: int, meta: dict, config_yaml: str,
+                        final: bool = False) -> Path | None:
     frags = []
     shapes = {}
     for f in engine.named_fragments():
         frags += _as_checkpoint(f, {attr: getattr(f, attr) for _, attr in _KEYS})
         shapes[f.name] = list(f.shape)
     meta = {**meta, "optimizer_steps": engine.optimizer_steps, "param_shapes": shapes}
-    return mgr.save(step, frags, rng_tensors(), meta, config_yaml)
+    return mgr.save(step, frags, rng_tensors(), meta, config_yaml, final=final)
 
 
 def load_training_state(mgr: CheckpointManager, path: Path, engine) -> dict:

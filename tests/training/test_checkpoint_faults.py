@@ -1,0 +1,283 @@
+"""Checkpoint faults: damaged files fall back to the newest verified checkpoint, disk full and
+non-finite weights never publish anything, pruning keeps what a fallback needs, one run per dir.
+
+Most cases drive CheckpointManager in this process (fast); the train.py cases check the one line
+and the exit code end to end."""
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+
+from amsp.checkpoint import CheckpointManager, Fragment
+from amsp.checkpoint_verify import CheckpointDamaged, NonFiniteCheckpoint, RunDirInUse
+from amsp.errors import FaultError
+
+SHAPES = {"a": 37, "b": 1000}
+
+
+def frags(fill: bool = True, scale: float = 1.0) -> list[Fragment]:
+    out = []
+    for key, n in SHAPES.items():
+        g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+        data = torch.randn(n, generator=g) * scale if fill else torch.full((n,), float("nan"))
+        out.append(Fragment(f"model.{key}", n, 0, data))
+    return out
+
+
+def save(mgr, step, scale=1.0, skipped=0, consecutive=0, **kw):
+    return mgr.save(step, frags(scale=scale), {"rng.cpu": torch.arange(4, dtype=torch.uint8)},
+                    {"consumed_samples": step, "skipped_steps": skipped, "consecutive_skips": consecutive},
+                    "x: 1\n", **kw)
+
+
+def loader(mgr):
+    def load(path):
+        fresh = frags(fill=False)
+        meta = mgr.load(path, fresh, {"rng.cpu": torch.zeros(4, dtype=torch.uint8)})
+        assert all(torch.isfinite(f.tensor).all() for f in fresh)
+        return meta
+    return load
+
+
+def shard(path):
+    (f,) = sorted(path.glob("*.distcp"))
+    return f
+
+
+def flip_bit(path, fqn="model.b", bit=0x40):
+    """Flip one bit in the middle of fqn's stored chunk (inside its tensor payload)."""
+    from models.llama.dcp_safe import SafeFileSystemReader
+
+    md = SafeFileSystemReader(path).read_metadata()
+    (info,) = [v for k, v in md.storage_data.items() if k.fqn == fqn]
+    f = path / info.relative_path
+    raw = bytearray(f.read_bytes())
+    raw[info.offset + info.length // 2] ^= bit
+    f.write_bytes(bytes(raw))
+    return f
+
+
+@pytest.fixture
+def two(tmp_path):
+    """Checkpoints step 1 (scale 1) and step 2 (scale 2), both verified."""
+    mgr = CheckpointManager(tmp_path, keep_last=5)
+    save(mgr, 1)
+    save(mgr, 2, scale=2.0)
+    return mgr
+
+
+def fallback(mgr, caplog, problem):
+    with caplog.at_level(logging.WARNING, logger="amsp.checkpoint"):
+        path, meta = mgr.load_latest(loader(mgr))
+    assert (path.name, meta["step"]) == ("step_00000001", 1)
+    warn = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
+    assert len(warn) == 1 and "step_00000002" in warn[0] and warn[0].endswith("checkpoint step_00000001"), warn
+    assert problem in warn[0], warn[0]
+    assert (mgr.root / "latest").read_text().strip() == "step_00000001"
+    assert (mgr.root / "damaged-step_00000002").is_dir()  # set aside, not deleted
+    return warn[0]
+
+
+def test_save_writes_manifest_and_verified_mark(two):
+    d = two.root / "step_00000002"
+    assert (d / "verified").is_file() and (d / "checksums" / "__0.json").is_file()
+    man = json.loads((d / "checksums" / "__0.json").read_text())
+    assert set(man["checksums"]) == {"model.a@0", "model.b@0", "rng.cpu@0"}
+    assert [p.name for p in two.verified()] == ["step_00000002", "step_00000001"]
+    path, meta = two.load_latest(loader(two))
+    assert (path.name, meta["step"]) == ("step_00000002", 2)
+
+
+def test_bit_flip_in_a_shard_falls_back(two, caplog):
+    f = flip_bit(two.root / "step_00000002")
+    w = fallback(two, caplog, "checksum mismatch")
+    assert str(f) in w
+
+
+def test_truncated_shard_falls_back(two, caplog):
+    f = shard(two.root / "step_00000002")
+    os.truncate(f, f.stat().st_size // 2)
+    w = fallback(two, caplog, "truncated")
+    assert "a torn write" in w and str(f) in w
+
+
+def test_missing_shard_falls_back(two, caplog):
+    f = shard(two.root / "step_00000002")
+    f.unlink()
+    assert str(f) + ": file missing" in fallback(two, caplog, "file missing")
+
+
+def test_corrupt_meta_json_falls_back(two, caplog):
+    (two.root / "step_00000002" / "meta.json").write_text('{"step": 2, "format_')
+    assert "meta.json: unreadable (JSONDecodeError" in fallback(two, caplog, "meta.json")
+
+
+def test_corrupt_dcp_metadata_falls_back(two, caplog):
+    (two.root / "step_00000002" / ".metadata").write_bytes(b"\x80\x04garbage")
+    assert ".metadata: unreadable" in fallback(two, caplog, ".metadata")
+
+
+def test_deleted_manifest_falls_back(two, caplog):
+    (two.root / "step_00000002" / "checksums" / "__0.json").unlink()
+    assert "checksums: missing" in fallback(two, caplog, "checksums")
+
+
+def test_latest_pointing_to_a_missing_dir_falls_back(two, caplog):
+    (two.root / "latest").write_text("step_00000009\n")
+    with caplog.at_level(logging.WARNING, logger="amsp.checkpoint"):
+        path, meta = two.load_latest(loader(two))
+    assert meta["step"] == 2  # the newest verified older one
+    warn = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
+    assert warn == [f"{two.root / 'latest'} names step_00000009, which does not exist; falling back to the "
+                    f"newest verified checkpoint step_00000002"]
+
+
+def test_nothing_usable_is_a_fault_naming_the_directory(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    save(mgr, 1)
+    f = shard(mgr.root / "step_00000001")
+    os.truncate(f, 10)
+    with pytest.raises(FaultError) as e:
+        mgr.load_latest(loader(mgr))
+    msg = str(e.value)
+    assert msg.startswith(f"no usable checkpoint in {mgr.root}: checkpoint step_00000001 is damaged: {f}: truncated")
+    assert "\n" not in msg and "no older verified checkpoint" in msg
+    assert f.exists()  # nothing deleted
+
+
+def test_fresh_directory_loads_nothing(tmp_path):
+    assert CheckpointManager(tmp_path).load_latest(loader(None)) is None
+
+
+def test_non_finite_weights_are_never_written(two, caplog):
+    bad = frags()
+    bad[1].tensor[17] = float("nan")
+    with caplog.at_level(logging.WARNING, logger="amsp.checkpoint"):
+        assert two.save(3, bad, {}, {}, "") is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "checkpoint step 3 not written: model.b holds NaN/Inf; keeping step_00000002"]
+    assert not (two.root / "step_00000003").exists() and not list(two.root.glob(".tmp-*"))
+    assert (two.root / "latest").read_text().strip() == "step_00000002"
+    bad[1].tensor[17] = float("inf")
+    with pytest.raises(NonFiniteCheckpoint, match=r"^checkpoint step 4 not written: model.b holds NaN/Inf; the last "
+                                                  r"checkpoint step_00000002 in .* is kept$"):
+        two.save(4, bad, {}, {}, "", final=True)
+    assert (two.root / "latest").read_text().strip() == "step_00000002"
+
+
+def test_pruning_keeps_newest_verified_and_the_one_before_skipped_steps(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=2)
+    save(mgr, 1, skipped=0)
+    save(mgr, 2, skipped=0)  # the last checkpoint before a run of skipped steps
+    save(mgr, 3, skipped=4, consecutive=4)  # skips recorded as train.py's save() does (SkipGuard)
+    save(mgr, 4, skipped=9, consecutive=9)
+    save(mgr, 5, skipped=12, consecutive=12)
+    names = sorted(p.name for p in mgr.root.glob("step_*"))
+    assert names == ["step_00000002", "step_00000004", "step_00000005"]
+    # Unverified newer checkpoints (e.g. written before checksums) never push out the newest verified one.
+    for n in ("step_00000004", "step_00000005"):
+        (mgr.root / n / "verified").unlink()
+    save(mgr, 6, skipped=12, consecutive=13)
+    (mgr.root / "step_00000006" / "verified").unlink()
+    mgr._prune()
+    assert sorted(p.name for p in mgr.root.glob("step_*")) == ["step_00000002", "step_00000005", "step_00000006"]
+
+
+def test_disk_full_during_save_keeps_previous(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        mgr = CheckpointManager(mnt, keep_last=5)
+        save(mgr, 1)
+        big = [Fragment("model.a", 37, 0, frags()[0].tensor), Fragment("model.b", 40000, 0, torch.randn(40000))]
+        with pytest.raises(FaultError) as e:
+            mgr.save(2, big, {}, {"skipped_steps": 0}, "")
+        msg = str(e.value)
+        assert msg.startswith("checkpoint step 2: no space left on device (") and "\n" not in msg, msg
+        assert not list(mgr.root.glob(".tmp-*")) and not (mgr.root / "step_00000002").exists()
+        assert (mgr.root / "latest").read_text().strip() == "step_00000001"
+        path, meta = mgr.load_latest(loader(mgr))
+        assert meta["step"] == 1
+    finally:
+        subprocess.run(["umount", str(mnt)])
+
+
+def test_second_live_run_is_refused_and_a_stale_lock_taken_over(tmp_path, caplog):
+    (tmp_path / "checkpoints").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / "checkpoints" / ".lock").write_text(f"{holder.pid} {socket.gethostname()}\n")
+        with pytest.raises(RunDirInUse, match=rf"^run directory {tmp_path} is in use by pid {holder.pid} on host "
+                                              rf"{socket.gethostname()} \(lock "):
+            CheckpointManager(tmp_path, lock=True)
+    finally:
+        holder.kill()
+        holder.wait()
+    with caplog.at_level(logging.WARNING, logger="amsp.checkpoint"):
+        mgr = CheckpointManager(tmp_path, lock=True)  # that pid is dead now: the lock is stale
+    assert any(f"removing stale lock {tmp_path / 'checkpoints' / '.lock'} of pid {holder.pid}" in r.getMessage()
+               for r in caplog.records)
+    assert (tmp_path / "checkpoints" / ".lock").read_text().split()[0] == str(os.getpid())
+    mgr.close()
+    assert not (tmp_path / "checkpoints" / ".lock").exists()
+
+
+def test_damage_error_is_one_line_naming_the_file(two):
+    f = flip_bit(two.root / "step_00000002", bit=1)
+    with pytest.raises(CheckpointDamaged) as e:
+        two.load(two.root / "step_00000002", frags(fill=False), {"rng.cpu": torch.zeros(4, dtype=torch.uint8)})
+    assert str(e.value).startswith(f"{f}: checksum mismatch in model.b") and "\n" not in str(e.value)
+
+
+# ---- end to end (train.py): the one line and the exit code ----
+@pytest.mark.distributed
+def test_train_resume_falls_back_past_a_bit_flip(tmp_path):
+    from tests.training.runs import train
+
+    run = tmp_path / "flip"
+    train(run, "trainer.max_steps=4", "trainer.checkpoint_interval=2")
+    ck = run / "checkpoints"
+    assert (ck / "latest").read_text().strip() == "step_00000004" and (ck / "step_00000002" / "verified").exists()
+    f = _flip_first_model_chunk(ck / "step_00000004")
+    proc = train(run, "trainer.max_steps=5", "trainer.checkpoint_interval=0")
+    out = proc.stdout + proc.stderr
+    assert f"checkpoint step_00000004 is damaged: {f}: checksum mismatch in model." in out
+    assert "falling back to the newest verified checkpoint step_00000002" in out
+    assert "resumed from checkpoint" in out and "at step 2 " in out
+    assert (ck / "latest").read_text().strip() == "step_00000005" and (ck / "damaged-step_00000004").is_dir()
+
+
+def _flip_first_model_chunk(path):
+    from models.llama.dcp_safe import SafeFileSystemReader
+
+    md = SafeFileSystemReader(path).read_metadata()
+    fqn = sorted(k.fqn for k in md.storage_data if k.fqn.startswith("model."))[0]
+    return flip_bit(path, fqn=fqn)
+
+
+@pytest.mark.distributed
+def test_train_refuses_a_run_dir_held_by_a_live_run(tmp_path):
+    from tests.training.runs import train
+
+    run = tmp_path / "busy"
+    (run / "checkpoints").mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (run / "checkpoints" / ".lock").write_text(f"{holder.pid} {socket.gethostname()}\n")
+        proc = train(run, "trainer.max_steps=2", check=False)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"input error: run directory {run} is in use by pid {holder.pid} on host "), last
+    assert "Traceback" not in proc.stderr
+    assert not list((run / "checkpoints").glob("step_*"))
