@@ -14,6 +14,9 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
+# What trainer.allow_resume_changes may name (data/resume_check.py acts on them).
+RESUME_CHANGES = ("seq_len", "tokenizer", "data")
+
 
 class ConfigError(ValueError):
     """A config value outside what is allowed; its message is one line meant for the user."""
@@ -85,6 +88,8 @@ RULES: tuple[Rule, ...] = (
     int_at_least("trainer.val_samples", 0),
     int_at_least("trainer.max_consecutive_skips", 1),
     finite_at_least("trainer.collective_timeout_s", 0, strict=True),
+    Rule("trainer.allow_resume_changes", "a list of " + "|".join(RESUME_CHANGES),
+         lambda v: isinstance(v, list) and all(x in RESUME_CHANGES for x in v)),
     one_of("logging.level", "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
     one_of("logging.wandb.mode", "online", "offline", "disabled"),
     finite_at_least("logging.peak_tflops", 0, strict=True, optional=True),

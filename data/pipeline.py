@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ class TrainData:
     train: Any  # GPTDataset | BlendedDataset: len() and [global sample index] -> int64 tokens
     valid: Any | None
     unigram_entropy: float  # nats per token over the training split (blend-weighted)
+    sources: list = field(default_factory=list)  # [(weight, prefix)]: what a checkpoint records (resume_check)
 
 
 def _check_matches_tokenizer(ds: IndexedDataset, tok: Tokenizer) -> None:
@@ -114,13 +116,25 @@ def _build_split(parts: list[tuple[float, IndexedDataset, tuple[int, int]]], seq
     return BlendedDataset(members, di, dsi), members
 
 
+def _warn_validation_off(split: list[float], too_small: list[str]) -> None:
+    """One WARNING (rank 0 only) when the validation split came out empty: validation is off."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    if len(split) < 2 or not split[1] > 0:
+        why = f"data.split={split} gives the validation split no documents (set a validation share, e.g. [98, 2])"
+    else:
+        why = (f"too few documents for a validation split with data.split={split}: {', '.join(too_small)} "
+               "(each source needs at least 2 documents; add data or raise the validation share)")
+    log.warning("validation is off: %s", why)
+
+
 def build_data(cfg: Any, *, seq_len: int, seed: int, train_samples: int, model_vocab_size: int) -> TrainData:
     """cfg is the `data` config node; train_samples = steps x global batch."""
     specs, tok_path = _sources(cfg, model_vocab_size)
     tok = Tokenizer(tok_path)
     padded = check_fits_model(tok, model_vocab_size, cfg.pad_vocab_multiple)
     cache = resolve_cache_dir(cfg.cache_dir)
-    train_parts, valid_parts = [], []
+    train_parts, valid_parts, too_small = [], [], []
     for w, prefix in specs:
         ind = IndexedDataset(prefix)
         if ind.num_docs == 0:
@@ -130,11 +144,15 @@ def build_data(cfg: Any, *, seq_len: int, seed: int, train_samples: int, model_v
         train_parts.append((w, ind, ranges[0]))
         if len(ranges) > 1 and ranges[1][1] > ranges[1][0]:
             valid_parts.append((w, ind, ranges[1]))
+        else:
+            too_small.append(f"{prefix} ({ind.num_docs} documents)")
     train, members = _build_split(train_parts, seq_len, train_samples, seed, cache, "train")
     valid = None
     if cfg.valid_samples > 0 and len(valid_parts) == len(train_parts):
         valid, _ = _build_split(valid_parts, seq_len, cfg.valid_samples, seed, cache, "valid")
+    elif cfg.valid_samples > 0:
+        _warn_validation_off(list(cfg.split), too_small)
     entropy = unigram_entropy(members, [w for w, _, _ in train_parts], tok.vocab_size)
     if not math.isfinite(entropy):
         raise DataError("data", "unigram entropy of the training tokens is not finite")
-    return TrainData(tok, padded, train, valid, entropy)
+    return TrainData(tok, padded, train, valid, entropy, specs)

@@ -90,6 +90,7 @@ class PreprocessStats:
     tokens: int
     seconds: float
     max_token_id: int
+    skipped_empty: int = 0  # records whose text field was null, missing or empty (not written)
 
     @property
     def tokens_per_s(self) -> float:
@@ -110,7 +111,9 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str, 
         raise DataError("--workers", f"must be >= 1, got {workers}")
     tok = Tokenizer(tokenizer_model)
     dtype = token_dtype(tok.vocab_size)
-    docs = iter_documents(inputs, text_field=text_field, split=split, text_sample_by=text_sample_by)
+    skipped: dict[str, int] = {}
+    docs = iter_documents(inputs, text_field=text_field, split=split, text_sample_by=text_sample_by,
+                          skipped=skipped)
     writer = IndexedDatasetWriter(output_prefix, dtype)
     # fork keeps worker start-up cheap (the workers only need sentencepiece); spawn elsewhere.
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
@@ -137,8 +140,11 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str, 
                     drain_one()
             while window:
                 drain_one()
+        _report_skipped(skipped, writer.num_docs, text_field)
         if writer.num_docs == 0:
-            raise DataError(",".join(inputs), f"empty input: no document has text in field {text_field!r}")
+            raise DataError(",".join(inputs), f"empty input: no document has text in field {text_field!r}"
+                                              + (f" ({sum(skipped.values())} records with null or empty text)"
+                                                 if skipped else ""))
         if os.path.exists(f"{output_prefix}.json"):
             os.remove(f"{output_prefix}.json")  # never leave an old record beside new tokens
         writer.finalize()
@@ -148,7 +154,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str, 
     finally:
         bar.close()
     seconds = time.perf_counter() - t0
-    stats = PreprocessStats(writer.num_docs, writer.num_tokens, seconds, max_id)
+    stats = PreprocessStats(writer.num_docs, writer.num_tokens, seconds, max_id, sum(skipped.values()))
     meta = {"tokenizer": tok.model_file, "tokenizer_sha256": tok.fingerprint(), "vocab_size": tok.vocab_size,
             "eos_id": tok.eos_id, "dtype": np.dtype(dtype).name, "inputs": list(inputs), "text_field": text_field,
             **asdict(stats)}
@@ -157,6 +163,15 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str, 
         json.dump(meta, f, indent=1)
     os.replace(tmp, f"{output_prefix}.json")
     return stats
+
+
+def _report_skipped(skipped: dict[str, int], written: int, text_field: str) -> None:
+    """One WARNING line counting the records dropped for null/empty text, per file (never silent)."""
+    total = sum(skipped.values())
+    if total:
+        per = ", ".join(f"{src}: {n}" for src, n in skipped.items())
+        log.warning("skipped %d of %d records whose %r text was null, missing or empty (%s)", total,
+                    total + written, text_field, per)
 
 
 def read_metadata(prefix: str) -> dict | None:
@@ -192,7 +207,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except DataError as e:
         raise SystemExit(f"error: {e}") from None
     print(f"wrote {a.output_prefix}.bin/.idx: {s.documents} documents, {s.tokens} tokens in {s.seconds:.1f} s "
-          f"({s.documents / max(s.seconds, 1e-9):,.0f} docs/s, {s.tokens_per_s:,.0f} tokens/s)")
+          f"({s.documents / max(s.seconds, 1e-9):,.0f} docs/s, {s.tokens_per_s:,.0f} tokens/s)"
+          + (f"; skipped {s.skipped_empty} records with null or empty text" if s.skipped_empty else ""))
 
 
 if __name__ == "__main__":

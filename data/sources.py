@@ -77,11 +77,12 @@ def _read_error(source: str, builder: str, e: Exception) -> DataError:
 
 
 def iter_documents(inputs: Sequence[str], text_field: str = "text", split: str = "train",
-                   text_sample_by: str = "document") -> Iterator[str]:
+                   text_sample_by: str = "document", skipped: dict[str, int] | None = None) -> Iterator[str]:
     """Yield the text of every document, in input order.
 
     Plain-text files are one document per file by default (text_sample_by="document"); "line" and
-    "paragraph" split them further. Documents whose text is empty or missing (None) are skipped.
+    "paragraph" split them further. Documents whose text is empty or missing (None) are skipped;
+`skipped`, when given, counts them per source (preprocess() reports the count).
     """
     if text_sample_by not in ("document", "line", "paragraph"):
         raise DataError("--text-sample-by", f"{text_sample_by!r} is not one of document|line|paragraph")
@@ -102,12 +103,12 @@ def iter_documents(inputs: Sequence[str], text_field: str = "text", split: str =
                     raise DataError(source, f"no text field {field!r}; fields are {sorted(row)} (set --text-field)")
                 first = False
                 text = row.get(field)
-                if text is None:
-                    continue
-                if not isinstance(text, str):
+                if text is not None and not isinstance(text, str):
                     raise DataError(source, f"field {field!r} holds {type(text).__name__}, not text")
                 if text:
                     yield text
+                elif skipped is not None:
+                    skipped[source] = skipped.get(source, 0) + 1
         except DataError:
             raise
         except Exception as e:  # noqa: BLE001 - re-raised as one line naming the file

@@ -3,7 +3,8 @@
 The loop calls `record_step` after every optimizer step (with the StepTimer's phase times and,
 once the engine supplies them, its communication stats) and `log` at log steps on every rank
 (`log` runs one small all-gather for the straggler and memory view). Rank 0 appends the record to
-RUN_DIR/metrics.jsonl (append, so a resumed run continues the same file) and forwards it to an
+RUN_DIR/metrics.jsonl (append, so a resumed run continues the same file, after drop_after() has
+removed the rows of the steps it logs again) and forwards it to an
 optional sink such as the wandb logger.
 
 Field meanings (times are means per step over the interval, in seconds):
@@ -25,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import pathlib
 import time
 from typing import Any, Callable, Protocol
@@ -68,6 +70,40 @@ def _json_safe(record: dict[str, Any]) -> dict[str, Any]:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
 
 
+def drop_rows_after(path: str | pathlib.Path, step: int) -> int:
+    """Remove the JSONL rows of `path` whose "step" is after `step` (and torn or unreadable lines, as a
+    kill during a write leaves), rewriting the file atomically; returns how many rows were dropped.
+
+    A run resumed from the checkpoint of step N logs steps N+1.. again: the rows the previous run wrote
+    for those steps (after its last checkpoint) would otherwise appear twice.
+    """
+    path = pathlib.Path(path)
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            row_step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            row_step = None
+        if isinstance(row_step, int) and row_step <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        with open(tmp, "w") as f:
+            f.write("".join(line + "\n" for line in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        log.info("%s: dropped %d row(s) after step %d, the step this run resumes from (they are logged again)",
+                 path, dropped, step)
+    return dropped
+
+
 class MetricsLogger:
     def __init__(self, run_dir: str | pathlib.Path, *, rank: int, world_size: int, total_steps: int,
                  tokens_per_step: int, flops_per_token: float, device: torch.device, peak: Peak | None,
@@ -91,6 +127,10 @@ class MetricsLogger:
         self._phase_sums = dict.fromkeys((*PHASES, "step"), 0.0)
         self._comm_sums = dict.fromkeys(COMM_KEYS, 0.0)
         self._comm_steps = 0
+
+    def drop_after(self, step: int) -> int:
+        """On resume from step `step`: drop metrics.jsonl rows after it (rank 0 owns the file)."""
+        return drop_rows_after(self.path, step) if self.rank == 0 else 0
 
     def record_step(self, timings: dict[str, float], comm: dict[str, float] | None = None) -> None:
         """Account one finished step: StepTimer.end_step() output and the engine's comm stats."""

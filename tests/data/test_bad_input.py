@@ -182,3 +182,66 @@ def test_missing_paths_are_errors_and_bare_names_mean_hub_datasets(tmp_path, mon
     assert resolve_inputs(["allenai/c4", "wikitext"]) == [("allenai/c4", "hub"), ("wikitext", "hub")]
     for missing in ("docs.jsonl", "./docs", "/abs/docs", "corpus/part1", "a b"):
         raises_one_line(lambda: resolve_inputs([missing]), missing, "not found")
+
+
+def test_null_and_empty_text_records_are_counted_not_silently_dropped(tmp_path, tokenizer_model, caplog):
+    import json
+    import logging
+
+    src = tmp_path / "mixed.jsonl"
+    rows = [{"text": "kept one " * 20}, {"text": None}, {"text": ""}, {"text": "kept two " * 20}, {"other": 1}]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prefix = str(tmp_path / "o")
+    with caplog.at_level(logging.WARNING, logger="data.preprocess"):
+        stats = preprocess([str(src)], prefix, tokenizer_model, progress=False)
+    assert stats.documents == 2 and stats.skipped_empty == 3
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [f"skipped 3 of 5 records whose 'text' text was null, missing or empty ({src}: 3)"]
+    assert json.load(open(prefix + ".json"))["skipped_empty"] == 3
+    assert IndexedDataset(prefix).num_docs == 2
+    # nothing but null/empty text: the error says how many records were skipped
+    only = tmp_path / "nulls.jsonl"
+    only.write_text('{"text": null}\n{"text": ""}\n')
+    raises_one_line(lambda: preprocess([str(only)], str(tmp_path / "n"), tokenizer_model, progress=False),
+                    str(only), "empty input", "(2 records with null or empty text)")
+
+
+def test_clean_input_logs_no_skip_warning(tmp_path, tokenizer_model, caplog):
+    import logging
+
+    src = write_jsonl(tmp_path / "clean.jsonl", ["fine text " * 20] * 3)
+    with caplog.at_level(logging.WARNING, logger="data.preprocess"):
+        stats = preprocess([str(src)], str(tmp_path / "o"), tokenizer_model, progress=False)
+    assert stats.skipped_empty == 0 and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize("split, docs, why", [
+    ([100.0, 0.0], None, "data.split=[100.0, 0.0] gives the validation split no documents"),
+    ([90.0, 10.0], 1, "too few documents for a validation split with data.split=[90.0, 10.0]: {prefix} "
+                      "(1 documents)"),
+])
+def test_empty_validation_split_warns_once(tmp_path, dataset_prefix, tokenizer_model, caplog, monkeypatch,
+                                           split, docs, why):
+    import logging
+
+    monkeypatch.delenv("RANK", raising=False)
+    prefix = dataset_prefix
+    if docs is not None:
+        prefix = str(tmp_path / "one")
+        preprocess([str(write_jsonl(tmp_path / "one.jsonl", ["a single document " * 100]))], prefix,
+                   tokenizer_model, progress=False)
+    cfg = _data_cfg(prefix=prefix, tokenizer=tokenizer_model, split=split, cache_dir=str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING, logger="data.pipeline"):
+        data = build_data(cfg, seq_len=16, seed=1, train_samples=10, model_vocab_size=512)
+    assert data.valid is None and len(data.train) >= 10
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == ["validation is off: " + why.format(prefix=prefix) + (
+        " (each source needs at least 2 documents; add data or raise the validation share)" if docs else
+        " (set a validation share, e.g. [98, 2])")]
+    # a usable split stays quiet; validation explicitly off (data.valid_samples=0) is not warned about
+    caplog.clear()
+    for kw in (dict(prefix=dataset_prefix), dict(prefix=prefix, valid_samples=0)):
+        with caplog.at_level(logging.WARNING, logger="data.pipeline"):
+            build_data(_data_cfg(tokenizer=tokenizer_model, cache_dir=str(tmp_path / "cache"), **kw), seq_len=16,
+                       seed=1, train_samples=10, model_vocab_size=512)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
