@@ -24,20 +24,23 @@ from omegaconf import DictConfig, OmegaConf
 
 from amsp import control
 from amsp.checkpoint import CheckpointManager
-from amsp.errors import RunError, one_line_errors
+from amsp.errors import InputError, RunError, one_line_errors
 from amsp.launch import DistEnv, init_distributed, log_backend_choices
 from amsp.metrics import MetricsLogger, StepTimer, resolve_peak
+from amsp.metrics.logger import drop_rows_after
 from amsp.metrics.plot import plot_run
 from amsp.metrics.wandb_logger import WandbLogger
 from amsp.build import engine_from_config, plan_from_config, topology_from
 from amsp.optim import WarmupCosine
 from amsp.planner import plan_for_run
+from amsp.startup_memory import build_or_explain_oom
 from amsp.resilience import Heartbeat, NaNInjector, PreemptionHandler, SkipGuard, TooManySkippedSteps, die_now
 from amsp.train_state import load_training_state, save_training_state
 from configs.schema import register_configs, to_llama_config
 from configs.validate import validate_config
 from data.loader import MicroBatchLoader, validation_batches
 from data.pipeline import build_data
+from data.resume_check import check_resume, check_vocab_before_load, run_identity
 from models.llama import flops_per_token
 
 log = logging.getLogger("train")
@@ -124,11 +127,19 @@ def run(cfg: DictConfig) -> None:
     set_threads(cfg, denv)
     run_dir = resolve_run_dir(cfg)
     resolved = OmegaConf.to_yaml(cfg, resolve=True)
+    unwritable = None
     if denv.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(resolved)
-        log.info("resolved config:\n%s", resolved)
-        log.info("run directory: %s", run_dir.resolve())
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(resolved)
+        except OSError as e:  # read-only file system, no permission, a file where a folder should be
+            unwritable = InputError(f"cannot write the run directory {run_dir} ({e.strerror or e}): set "
+                                    f"trainer.output_dir / trainer.run_name to a writable place")
+        else:
+            log.info("resolved config:\n%s", resolved)
+            log.info("run directory: %s", run_dir.resolve())
+    if control.all_reduce_max_int(int(unwritable is not None)):  # every rank stops, not only rank 0
+        raise unwritable or InputError(f"rank 0 cannot write the run directory {run_dir}")
 
     device, dtype = pick_device_and_dtype(cfg, denv)
     model_cfg = to_llama_config(cfg.model)
@@ -162,8 +173,10 @@ def run(cfg: DictConfig) -> None:
 
     # The AMSP engine builds the model on the meta device and initialises only this rank's shards;
     # the plan is validated (rules named) before anything is allocated.
-    engine = engine_from_config(cfg.amsp, cfg.optim, cfg.trainer.dtype, model_cfg, denv, device, cfg.trainer.seed,
-                                plan=plan, compile=cfg.model.compile)
+    # Out of memory here is one line with the planner's prediction for the plan (amsp/startup_memory.py).
+    engine = build_or_explain_oom(lambda: engine_from_config(cfg.amsp, cfg.optim, cfg.trainer.dtype, model_cfg, denv,
+                                                             device, cfg.trainer.seed, plan=plan,
+                                                             compile=cfg.model.compile), cfg, denv, device, plan)
     dtype = engine.compute_dtype
     n_params = model_cfg.num_params()
     fpt = flops_per_token(model_cfg, seq_len)
@@ -174,31 +187,59 @@ def run(cfg: DictConfig) -> None:
     schedule = WarmupCosine(o.lr, o.min_lr, o.warmup_steps, o.decay_steps or cfg.trainer.max_steps)
 
     # Resume: the latest checkpoint of this run directory, whatever plan or world size wrote it.
+    # A damaged checkpoint falls back to the newest verified older one; a second live run is refused.
     ckpt = CheckpointManager(run_dir, keep_last=cfg.trainer.keep_last_checkpoints,
-                             async_save=cfg.trainer.async_checkpoint)
+                             async_save=cfg.trainer.async_checkpoint, lock=True)
     start_step, skipped_total, wandb_id = 0, 0, None
-    latest = ckpt.latest() if cfg.trainer.resume else None
+
+    def load_checkpoint(path: pathlib.Path) -> dict:
+        check_vocab_before_load(path, model_cfg.vocab_size)  # another embedding size cannot load at all
+        return load_training_state(ckpt, path, engine)
+
+    loaded = ckpt.load_latest(load_checkpoint) if cfg.trainer.resume else None
+    latest, meta = loaded if loaded is not None else (None, None)
     if latest is not None:
-        meta = load_training_state(ckpt, latest, engine)
         start_step, skipped_total, wandb_id = meta["step"], meta.get("skipped_steps", 0), meta.get("wandb_run_id")
         train_loader.load_state_dict({"consumed_samples": meta["consumed_samples"]})
         log.info("resumed from checkpoint %s at step %d (%d samples consumed, written by plan %s on %d ranks)",
                  latest, start_step, meta["consumed_samples"], meta.get("plan"), meta.get("world_size"))
+    # What the data position means (seq_len, tokenizer, sources) is recorded with every checkpoint; a
+    # resume that changes it is refused unless trainer.allow_resume_changes names it (data/resume_check.py).
+    identity = run_identity(seq_len, data, model_cfg.vocab_size)
+    if latest is not None:
+        consumed = check_resume(meta, identity, list(cfg.trainer.allow_resume_changes), latest,
+                                meta["consumed_samples"], denv.is_main)
+        needed = consumed + (cfg.trainer.max_steps - start_step) * gbs
+        rebuild = needed > len(data.train)  # the converted position lies past the samples built: build more
+        if rebuild:
+            data = build_data(cfg.data, seq_len=seq_len, seed=cfg.trainer.seed if cfg.data.seed is None else
+                              cfg.data.seed, train_samples=needed, model_vocab_size=model_cfg.vocab_size)
+            train_loader.source = data.train
+        if rebuild or consumed != meta["consumed_samples"]:
+            train_loader.load_state_dict({"consumed_samples": consumed})
 
     tokens_per_step = gbs * seq_len
     wandb_run = make_wandb(cfg, run_dir, denv.rank, resume_id=wandb_id)
     if planned is not None:
         wandb_run.log_table("planner/plans", planned.columns, planned.rows)
     metrics = make_metrics(cfg, denv, run_dir, device, dtype, tokens_per_step, fpt, wandb_run)
+    if latest is not None and denv.is_main:  # rows of steps this run logs again would appear twice
+        metrics.drop_after(start_step)
+        drop_rows_after(run_dir / "validation.jsonl", start_step)
     timer = StepTimer(device)  # CUDA: events on the current stream, one wait per step
-    preemption, heartbeat = PreemptionHandler(), Heartbeat(denv.rank, denv.world_size)
+    preemption = PreemptionHandler()
+    # Liveness: a thread per rank bumps a counter in the rendezvous store; a rank whose counter stops
+    # is named when a collective fails (or by the watchdog, wherever this rank is blocked): exit 3.
+    heartbeat = Heartbeat(denv.rank, denv.world_size, cfg.trainer.collective_timeout_s,
+                          clock_skew_s=cfg.debug.clock_skew_s if denv.rank == cfg.debug.clock_skew_rank else 0.0)
     skips = SkipGuard(cfg.trainer.max_consecutive_skips, total=skipped_total)
     nan_injector = NaNInjector(engine.model, list(cfg.debug.nan_loss_at_steps))
 
-    def save(step: int) -> None:
+    def save(step: int, final: bool = False) -> None:  # final: NaN/Inf weights are a FaultError
         meta = {"consumed_samples": train_loader.state_dict()["consumed_samples"], "skipped_steps": skips.total,
-                "wandb_run_id": wandb_run.run_id, "plan": str(engine.plan), "world_size": denv.world_size}
-        save_training_state(ckpt, engine, step, meta, resolved)
+                "consecutive_skips": skips.consecutive,  # pruning keeps the checkpoint before a run of skips
+                "wandb_run_id": wandb_run.run_id, "plan": str(engine.plan), "world_size": denv.world_size, **identity}
+        save_training_state(ckpt, engine, step, meta, resolved, final=final)
 
     def validate(step: int) -> None:
         if data.valid is None or cfg.trainer.val_samples <= 0:
@@ -224,6 +265,9 @@ def run(cfg: DictConfig) -> None:
                 timer.lap("data_wait")
                 if step == cfg.debug.die_at_step and denv.rank == cfg.debug.die_rank and micro == accum - 1:
                     die_now(f"fault injection: rank {denv.rank} exits abruptly in step {step}", code=137)
+                if step == cfg.debug.stop_at_step and denv.rank == cfg.debug.stop_rank and micro == accum - 1:
+                    log.warning("fault injection: rank %d stops itself (SIGSTOP) in step %d", denv.rank, step)
+                    os.kill(os.getpid(), signal.SIGSTOP)
                 loss_sum += engine.forward_backward(x, y, micro, accum)
                 timer.lap("forward_backward")
             result = engine.step(lr)  # gradient sync, sharded AdamW with global-norm clipping, spread
@@ -253,17 +297,20 @@ def run(cfg: DictConfig) -> None:
                 validate(step)
         else:
             if step > start_step:
-                save(step)
-            validate(step)
+                save(step, final=True)
+            # The final validation, unless the loop just ran it for this step or nothing was trained
+            # (a rerun of a finished run: its validation was written when it finished).
+            if step > start_step and not (cfg.trainer.val_interval and step % cfg.trainer.val_interval == 0):
+                validate(step)
         ckpt.wait()
     except (TooManySkippedSteps, RunError, KeyboardInterrupt):
         raise
     except Exception as e:  # a collective failed or timed out: a peer died or hangs
         if denv.world_size > 1:
-            die_now(f"rank {denv.rank}: training failed in step {step}: {type(e).__name__}: {e}; ranks behind: "
-                    f"{heartbeat.laggards(step)}")
+            heartbeat.fail(step, e)  # names the rank(s) whose heartbeat stopped; exits 3 (or 1: a bug) at once
         raise
     finally:
+        heartbeat.stop("left" if sys.exc_info()[0] else "done")  # on purpose: peers will not blame this rank
         preemption.restore()
 
     wandb_run.finish()

@@ -90,5 +90,8 @@ def one_line_errors(level: str | None = None):
         prefix = f"rank {rank}: " if rank not in (None, "0") else ""
         for h in logging.getLogger().handlers:
             h.flush()
-        print(f"{prefix}{kind}: {exc}", file=sys.stderr, flush=True)
+        # One write of the whole line: ranks share the terminal, and print() writes the newline
+        # separately, which lets another rank's line land in between.
+        sys.stderr.write(f"{prefix}{kind}: {exc}\n")
+        sys.stderr.flush()
         sys.exit(code)

@@ -85,6 +85,9 @@ class TrainerConfig:
     val_samples: int = 64  # validation samples per pass (whole global rounds only)
     max_consecutive_skips: int = 5  # non-finite steps in a row before the run stops
     collective_timeout_s: float = 600.0  # a dead or hung rank makes the others exit after this
+    # Resuming refuses a checkpoint written with another data.seq_len / tokenizer / data blend unless
+    # the change is named here, e.g. [seq_len] (data/resume_check.py says how the data position moves).
+    allow_resume_changes: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -176,6 +179,10 @@ class DebugConfig:
     nan_loss_at_steps: List[int] = field(default_factory=list)  # 1-based steps whose loss is NaN
     die_at_step: Optional[int] = None  # 1-based step in which debug.die_rank exits abruptly
     die_rank: int = 0
+    stop_at_step: Optional[int] = None  # 1-based step in which debug.stop_rank sends itself SIGSTOP (a hung rank)
+    stop_rank: int = 0
+    clock_skew_s: float = 0.0  # debug.clock_skew_rank publishes a heartbeat wall clock this far off (never compared)
+    clock_skew_rank: Optional[int] = None
 
 
 @dataclass

@@ -108,6 +108,13 @@ RULES: tuple[Rule, ...] = (
     finite_at_least("amsp.planner.overlap_slowdown", 0),
     int_at_least("amsp.planner.top_k", 1),
     finite_at_least("amsp.planner.time_limit_s", 0, strict=True),
+    int_at_least("debug.die_at_step", 1, optional=True),
+    int_at_least("debug.die_rank", 0),
+    int_at_least("debug.stop_at_step", 1, optional=True),
+    int_at_least("debug.stop_rank", 0),
+    Rule("debug.clock_skew_s", "a finite number", _number),
+    int_at_least("debug.clock_skew_rank", 0, optional=True),
+    Rule("debug.nan_loss_at_steps", "a list of integers >= 1", lambda v: all(_int(x) and x >= 1 for x in v)),
 )
 
 

@@ -1,0 +1,42 @@
+"""An unwritable run directory stops every rank at startup with one line and the input exit code."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tests.training.runs import train
+
+
+def _assert_unwritable(proc, where):
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert lines[-1].startswith(f"input error: cannot write the run directory {where}"), lines[-3:]
+    assert "set trainer.output_dir / trainer.run_name to a writable place" in lines[-1]
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_file_where_the_run_directory_should_be(tmp_path):
+    blocker = tmp_path / "runs"
+    blocker.write_text("not a folder\n")
+    proc = train(blocker / "r", check=False)
+    _assert_unwritable(proc, blocker / "r")
+    assert blocker.read_text() == "not a folder\n"  # nothing of the user's was touched
+
+
+def test_read_only_file_system_on_two_ranks(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    # Root ignores permission bits, so the unwritable place is a read-only mount.
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True).returncode:
+        pytest.skip("cannot mount a read-only tmpfs here")
+    try:
+        proc = train(ro / "runs" / "r", nproc=2, check=False)
+        # torchrun exits 1 whenever a worker fails; the workers' own codes are in its summary.
+        assert proc.returncode == 1 and proc.stderr.count("exitcode  : 2") == 2, proc.stderr[-3000:]
+        lines = proc.stderr.splitlines()
+        assert (f"input error: cannot write the run directory {ro / 'runs' / 'r'} (Read-only file system): set "
+                f"trainer.output_dir / trainer.run_name to a writable place") in lines, lines[:4]
+        assert f"rank 1: input error: rank 0 cannot write the run directory {ro / 'runs' / 'r'}" in lines
+    finally:
+        subprocess.run(["umount", str(ro)], check=False)
