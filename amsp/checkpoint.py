@@ -12,7 +12,7 @@ Atomicity: a save is written to checkpoints/.tmp-step_N, then published by renam
 step_N and replacing the `latest` pointer file (both atomic renames). A crash mid-save leaves
 the previous checkpoint and pointer untouched; stale temporaries are removed at the next start.
 
-Verification (amsp/checkpoint_verify.py): every saved chunk carries a crc32 in a per-rank
+Verification (amsp/checkpoint_verify.py): every saved chunk carries an xxh3-64 digest in a per-rank
 manifest (checksums/__<rank>.json), written, fsynced and read back inside DCP's save, so every rank
 agrees before anything is published; rank 0 then writes meta.json, config.yaml and the `verified`
 mark (all fsynced) and only then renames. Loading checks every chunk it reads; a damaged checkpoint
