@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from amsp import control
 from amsp.checkpoint import CheckpointManager
-from amsp.errors import InputError, RunError, one_line_errors
+from amsp.errors import EXIT_INPUT, InputError, RunError, one_line_errors
 from amsp.launch import DistEnv, init_distributed, log_backend_choices
 from amsp.metrics import MetricsLogger, StepTimer, resolve_peak
 from amsp.metrics.logger import drop_rows_after
@@ -331,5 +331,28 @@ def evaluate(engine, batches, device: torch.device) -> float:
     return total / count if count > 0 else float("nan")
 
 
+def precheck_overrides(args: list[str]) -> None:
+    """Compose the config once with the command line's overrides before Hydra runs the job, so a
+    mistyped key, a wrongly typed value or an unknown preset ends as one line with the input exit
+    code (2) instead of Hydra's multi-line report and exit 1. Command lines with Hydra's own
+    flags or hydra.* / hydra/ overrides (sweeps, launchers) are left to Hydra."""
+    if any(a.startswith("-") or a.lstrip("+~").startswith("hydra") for a in args):
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=str(pathlib.Path(__file__).resolve().parent / "configs"),
+                                   version_base=None):
+            compose(config_name="train", overrides=args)
+    except (HydraException, OmegaConfBaseException) as e:
+        cause = e.__cause__ if e.__cause__ is not None and str(e.__cause__) not in str(e) else None
+        text = " ".join(f"{e} {cause or ''}".split())
+        sys.stderr.write(f"config error: {text}\n")
+        sys.exit(EXIT_INPUT)
+
+
 if __name__ == "__main__":
+    precheck_overrides(sys.argv[1:])
     main()

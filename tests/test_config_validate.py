@@ -73,3 +73,22 @@ def test_train_py_stops_on_a_bad_value_with_one_line_and_exit_code_2(tmp_path):
     assert lines == ["config error: optim.lr=-1.0 is not allowed: expected a finite number > 0; "
                      "trainer.micro_batch_size=0 is not allowed: expected an integer >= 1"], proc.stderr
     assert not any(tmp_path.iterdir()), "nothing may be written for a rejected config"
+
+
+@pytest.mark.parametrize("override, names", [
+    ("trainer.max_stepz=3", "Could not override 'trainer.max_stepz'"),
+    ("trainer.max_steps=abc", "Value 'abc' of type 'str' could not be converted to Integer"),
+    ("model=llama9_1b", "Could not find 'model/llama9_1b' Available options in 'model':"),
+])
+def test_hydra_composition_errors_are_one_line_with_exit_code_2(tmp_path, override, names):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    proc = subprocess.run([sys.executable, "train.py", override, f"trainer.output_dir={tmp_path}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("config error: ") and names in lines[0], lines[0]
+    assert not any(tmp_path.iterdir())

@@ -6,10 +6,12 @@ and the exit code end to end."""
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from amsp.checkpoint import CheckpointManager, Fragment
 from amsp.checkpoint_verify import CheckpointDamaged, NonFiniteCheckpoint, RunDirInUse
 from amsp.errors import FaultError
 
+ROOT = Path(__file__).resolve().parents[2]
 SHAPES = {"a": 37, "b": 1000}
 
 
@@ -281,3 +284,47 @@ def test_train_refuses_a_run_dir_held_by_a_live_run(tmp_path):
     assert last.startswith(f"input error: run directory {run} is in use by pid {holder.pid} on host "), last
     assert "Traceback" not in proc.stderr
     assert not list((run / "checkpoints").glob("step_*"))
+
+
+_SIGTERM_DURING_ASYNC_SAVE = r"""
+import os, signal, sys, threading, time
+import torch
+sys.path.insert(0, {root!r})
+from amsp.checkpoint import CheckpointManager, Fragment
+from amsp.resilience import PreemptionHandler
+
+n = 64 * 2**20  # 256 MB a tensor, 3 of them: the background save takes a while
+frags = [Fragment(f"model.p{{i}}", n, 0, torch.full((n,), float(i + 1))) for i in range(3)]
+mgr = CheckpointManager({run!r}, keep_last=5, async_save=True)
+handler = PreemptionHandler()  # what train.py installs: SIGTERM only sets a flag
+mgr.save(1, frags, {{}}, {{"consumed_samples": 1}}, "x: 1\n")
+pending = mgr._pending
+threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM)).start()
+while not handler.received:  # the training loop goes on until it sees the flag at a step's end
+    time.sleep(0.01)
+print("save 1 still running when SIGTERM arrived:", pending.is_alive(), flush=True)
+mgr.save(2, frags, {{}}, {{"consumed_samples": 2}}, "x: 2\n")  # train.py's preemption save
+mgr.wait()
+print("signal", handler.received, flush=True)
+"""
+
+
+def test_sigterm_during_an_async_save_completes_it_then_the_preemption_save(tmp_path):
+    """SIGTERM while a background save is writing: the handler only sets a flag, the pending save
+    finishes and is published verified, then the preemption save follows; nothing is lost."""
+    run = tmp_path / "run"
+    script = _SIGTERM_DURING_ASYNC_SAVE.format(root=str(ROOT), run=str(run))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "save 1 still running when SIGTERM arrived: True" in proc.stdout, proc.stdout
+    assert f"signal {int(signal.SIGTERM)}" in proc.stdout
+    mgr = CheckpointManager(run, keep_last=5)
+    for step in (1, 2):
+        d = run / "checkpoints" / f"step_{step:08d}"
+        assert (d / "verified").exists(), f"step {step} not verified"
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+    n = 64 * 2**20
+    fresh = [Fragment(f"model.p{i}", n, 0, torch.empty(n)) for i in range(3)]
+    path, meta = mgr.load_latest(lambda p: mgr.load(p, fresh, {}))
+    assert meta["step"] == 2 and all(torch.all(f.tensor == i + 1) for i, f in enumerate(fresh))

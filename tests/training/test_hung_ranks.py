@@ -242,6 +242,7 @@ def _torchrun_summary(out: str) -> dict[int, str]:
     return {int(r): c for r, c in re.findall(r"rank\s*: (\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*: (-?\d+)", out)}
 
 
+@pytest.mark.slow  # ~30 s; the fast suite keeps the 4-rank SIGSTOP, death and clock-skew cases
 def test_torchrun_dead_rank_survivors_report_themselves(tmp_path):
     """torchrun's agent SIGTERMs the survivors as soon as a rank dies: the preemption handler only sets a
     flag, so each survivor still prints its own line and exits 3, and torchrun's summary shows that."""
