@@ -50,7 +50,7 @@ from models.llama.dcp_safe import SafeFileSystemReader
 from . import control
 from .checkpoint_verify import (VERIFIED, ChecksumMixin, CheckpointDamaged, CheckpointMismatch, InputError, NonFiniteCheckpoint,
                                 RunDirLock, VerifyingReader, VerifyingWriter, all_finite, read_manifests,
-                                save_failure, unwrap)
+                                fsync_path, save_failure, unwrap)
 from .errors import FaultError, RunError
 
 log = logging.getLogger(__name__)
@@ -121,14 +121,6 @@ class _FragmentLoadPlanner(DefaultLoadPlanner):
 # ---- the manager ----
 def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class CheckpointManager:
@@ -265,14 +257,14 @@ class CheckpointManager:
                         f.write(text)
                         f.flush()
                         os.fsync(f.fileno())
-                _fsync_dir(tmp)
+                fsync_path(tmp)
                 if final.exists():
                     shutil.rmtree(final)
                 os.replace(tmp, final)
                 pointer_tmp = self.root / ".latest.tmp"
                 pointer_tmp.write_text(final.name + "\n")
                 os.replace(pointer_tmp, self.root / "latest")
-                _fsync_dir(self.root)
+                fsync_path(self.root)
                 log.info("saved checkpoint step %d to %s", step, final)
                 self._prune()
         except BaseException as e:  # surfaced by wait() in the main thread (or below, synchronously)
@@ -408,7 +400,7 @@ class CheckpointManager:
             pointer_tmp = self.root / ".latest.tmp"
             pointer_tmp.write_text(good.name + "\n")
             os.replace(pointer_tmp, self.root / "latest")
-            _fsync_dir(self.root)
+            fsync_path(self.root)
         control.barrier()
 
 

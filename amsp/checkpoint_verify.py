@@ -155,10 +155,11 @@ class VerifyingWriter(dcp.FileSystemWriter):
             raise CheckpointDamaged(f"{self.root}/{MANIFEST_DIR}: no checksum for {len(missing)} chunk(s), first "
                                     f"{missing[0]}; a rank's manifest is missing")
         super().finish(metadata, results)
-        _fsync_path(self.root / MANIFEST_DIR)
+        fsync_path(self.root / MANIFEST_DIR)
 
 
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a rename or a new entry is durable only once its directory is)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
