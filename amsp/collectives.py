@@ -150,11 +150,18 @@ class Comm:
         if self.rank not in ranks:
             raise ValueError(f"rank {self.rank} is not in group {ranks}")
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...], phase: str) -> Handle:
+    def book(self, phase: str, kind: str, nbytes: int, ranks: tuple[int, ...]) -> None:
+        """Count a collective on the current step ahead of its launch (then launched with booked=True):
+        the spread of one step may be launched during the next step's forward."""
+        self._record(phase, kind, nbytes, ranks)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...], phase: str,
+                   booked: bool = False) -> Handle:
         self._check(ranks)
         if out.numel() != inp.numel() * len(ranks):
             raise ValueError(f"all_gather: output {out.numel()} != {len(ranks)} x input {inp.numel()}")
-        self._record(phase, "all_gather", out.numel() * out.element_size(), ranks)
+        if not booked:
+            self._record(phase, "all_gather", out.numel() * out.element_size(), ranks)
         with data_plane():  # the routing checker's mark (amsp/routing_check.py)
             work = _all_gather(out, inp, group=process_group(ranks), async_op=True)
         return Handle(self, work, phase)

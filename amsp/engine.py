@@ -217,11 +217,7 @@ class AMSPEngine:
     def _fill_spread_window(self) -> None:
         while self._spread_queued and len(self._spread_in_flight) < self.options.spread_window:
             u = self._spread_queued.pop(0)
-            booked, self.comm.current = self.comm.current, CommStats()  # already booked by _start_spread
-            try:
-                u.launch_spread()
-            finally:
-                self.comm.current = booked
+            u.launch_spread()  # booked on its step by _start_spread
             self._spread_in_flight.append(u)
 
     def _ensure_fresh(self, u: FlatUnit) -> None:

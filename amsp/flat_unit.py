@@ -228,7 +228,8 @@ class FlatUnit:
             return
         src = self.master.to(self.compute_dtype)
         recv = torch.empty(self.layout.p_size, dtype=self.compute_dtype, device=self.device)
-        self._spread = (self.comm.all_gather(recv, src, self.groups.spread, "spread"), recv)
+        # Booked on its step by book_spread when the engine queued it.
+        self._spread = (self.comm.all_gather(recv, src, self.groups.spread, "spread", booked=True), recv)
 
     @torch.no_grad()
     def finish_spread(self) -> None:
@@ -248,8 +249,8 @@ class FlatUnit:
         spreads when step() queues them, so the step's statistics hold its whole spread even when the
         window launches part of it during the next forward."""
         if self.deg.os != self.deg.p:
-            self.comm._record("spread", "all_gather", self.layout.p_size * self.p_shard.element_size(),
-                              self.groups.spread)
+            self.comm.book("spread", "all_gather", self.layout.p_size * self.p_shard.element_size(),
+                           self.groups.spread)
 
     def spread_transient_bytes(self) -> int:
         """Bytes a spread of this unit holds while in flight (what the planner's window term counts)."""
