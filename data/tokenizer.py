@@ -1,61 +1,77 @@
-"""SentencePiece tokenizer: train a BPE model or load a .model; vocabulary padding and model fit.
+"""Tokenizers: one interface (data/tok_base.py), three backends chosen by what the file is.
 
-Trained models keep text exactly (identity normalisation, whitespace kept, byte fallback for
-anything outside the vocabulary), which matters for source code and makes decode(encode(t)) == t.
-Special ids: pad 0, unk 1, bos 2, eos 3.
+    sentencepiece  a .model protobuf (data/tok_sentencepiece.py; `python -m data.tokenizer` trains one)
+    hf             a Hugging Face `tokenizers` tokenizer.json, or a folder holding one (data/tok_hf.py)
+    tiktoken       a tiktoken BPE file in the LLaMA-3 format: "base64 rank" lines (data/tok_tiktoken.py)
+
+The file's content decides, not its name (LLaMA-3 ships its tiktoken file as tokenizer.model).
+
+Document format, everywhere (preprocessing, training, validation, the exported HF tokenizer): each
+document is its ids followed by EOS, with no BOS; special-token spellings inside a document are
+ordinary text. A tokenizer without EOS is refused. The vocabulary padded to data.pad_vocab_multiple
+must fit the model's embedding (check_fits_model).
 """
 from __future__ import annotations
 
-import hashlib
+import json
 import logging
-import math
 import os
-from typing import Iterable, Sequence
-
-import sentencepiece as spm
+import re
+import tempfile
+from typing import Sequence
 
 from data.errors import DataError
+from data.tok_base import DOCUMENT_FORMAT, EXPECTED_KINDS, Tokenizer  # noqa: F401 - DOCUMENT_FORMAT re-exported
+from data.tok_sentencepiece import train_bpe  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
+def _looks_like_tiktoken(head: bytes) -> bool:
+    lines = [ln for ln in head.split(b"\n")[:-1] if ln.strip()] or [head]  # the last line may be cut
+    return all(re.fullmatch(rb"[A-Za-z0-9+/]+={0,2} \d+\r?", ln) for ln in lines[:8])
 
 
-class Tokenizer:
-    def __init__(self, model_file: str):
-        if not os.path.isfile(model_file):
-            raise DataError(model_file, "tokenizer model not found")
-        self.model_file = os.path.abspath(model_file)
+def resolve_tokenizer_file(path: str) -> tuple[str, str]:
+    """(kind, file) for a tokenizer path; DataError naming what was expected otherwise."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        for name in ("tokenizer.json", "tokenizer.model", "tokenizer.tiktoken"):
+            if os.path.isfile(os.path.join(path, name)):
+                return resolve_tokenizer_file(os.path.join(path, name))
+        raise DataError(path, "folder holds no tokenizer.json, tokenizer.model or tokenizer.tiktoken")
+    if not os.path.isfile(path):
+        raise DataError(path, "tokenizer model not found")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError as e:
+        raise DataError(path, f"cannot read the tokenizer ({e.strerror})") from None
+    if not head.strip():
+        raise DataError(path, f"empty tokenizer file; expected {EXPECTED_KINDS}")
+    if head.lstrip()[:1] == b"{":
         try:
-            self.sp = spm.SentencePieceProcessor(model_file=self.model_file)
-        except (RuntimeError, OSError) as e:
-            raise DataError(model_file, f"not a sentencepiece model ({e})") from None
-        self.eos_id = self.sp.eos_id()
-        if self.eos_id < 0:
-            raise DataError(model_file, "the tokenizer has no EOS piece; documents cannot be separated")
-        self.bos_id, self.pad_id, self.unk_id = self.sp.bos_id(), self.sp.pad_id(), self.sp.unk_id()
+            with open(path, encoding="utf-8") as f:
+                doc = json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise DataError(path, f"JSON that does not parse ({e}); expected {EXPECTED_KINDS}") from None
+        if isinstance(doc, dict) and "model" in doc:
+            return "hf", path
+        raise DataError(path, f"JSON without a 'model' key (not a tokenizer.json); expected {EXPECTED_KINDS}")
+    if _looks_like_tiktoken(head):
+        return "tiktoken", path
+    # Anything else can only be a sentencepiece ModelProto (binary); its loader names the problem.
+    return "sentencepiece", path
 
-    @property
-    def vocab_size(self) -> int:
-        return self.sp.get_piece_size()
 
-    def encode(self, text: str) -> list[int]:
-        return self.sp.encode(text)
-
-    def encode_batch(self, texts: Sequence[str], add_eos: bool = False, threads: int = 1) -> list[list[int]]:
-        # One thread by default: preprocessing parallelises over processes, and sentencepiece's
-        # own default (all cores per call) would oversubscribe them.
-        return self.sp.encode(list(texts), add_eos=add_eos, num_threads=threads)
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return self.sp.decode([int(i) for i in ids])
-
-    def fingerprint(self) -> str:
-        """sha256 of the serialized model: identifies the tokenizer a dataset was made with."""
-        return hashlib.sha256(self.sp.serialized_model_proto()).hexdigest()
-
-    def padded_vocab_size(self, multiple: int) -> int:
-        if multiple < 1:
-            raise DataError("data.pad_vocab_multiple", f"must be >= 1, got {multiple}")
-        return multiple * math.ceil(self.vocab_size / multiple)
+def load_tokenizer(path: str) -> Tokenizer:
+    kind, file = resolve_tokenizer_file(path)
+    if kind == "hf":
+        from data.tok_hf import HFTokenizer
+        return HFTokenizer(file)
+    if kind == "tiktoken":
+        from data.tok_tiktoken import TiktokenTokenizer
+        return TiktokenTokenizer(file)
+    from data.tok_sentencepiece import SentencePieceTokenizer
+    return SentencePieceTokenizer(file)
 
 
 def check_fits_model(tok: Tokenizer, model_vocab_size: int, multiple: int) -> int:
@@ -65,57 +81,57 @@ def check_fits_model(tok: Tokenizer, model_vocab_size: int, multiple: int) -> in
         raise DataError(tok.model_file, f"tokenizer vocabulary {tok.vocab_size} (padded to {padded}, a multiple "
                                         f"of data.pad_vocab_multiple={multiple}) exceeds model.vocab_size="
                                         f"{model_vocab_size}; use a larger model vocabulary or a smaller tokenizer")
-    log.info("tokenizer %s: %d pieces, padded to %d (model vocabulary %d)", tok.model_file, tok.vocab_size,
-             padded, model_vocab_size)
+    log.info("tokenizer %s (%s): %d pieces, padded to %d (model vocabulary %d)", tok.model_file, tok.kind,
+             tok.vocab_size, padded, model_vocab_size)
     return padded
 
 
-def train_bpe(input_files: Sequence[str], model_prefix: str, vocab_size: int, *, byte_fallback: bool = True,
-              max_sentences: int = 2_000_000, threads: int | None = None) -> str:
-    """Train a BPE model from plain-text files (one sentence per line); returns the .model path.
+def write_training_text(inputs: Sequence[str], out_file: str, text_field: str = "text",
+                        max_docs: int | None = None) -> int:
+    """Documents (data/sources.py: JSONL, Parquet, text, folders) as plain text for sentencepiece,
+    which reads one sentence per line; returns the number of documents."""
+    from data.sources import iter_documents
 
-    Written under a temporary prefix and renamed, so a cache never holds half a model.
-    """
-    for f in input_files:
-        if not os.path.isfile(f):
-            raise DataError(f, "tokenizer training input not found")
-    tmp = f"{model_prefix}.tmp-{os.getpid()}"
-    kwargs = dict(
-        input=",".join(input_files), model_prefix=tmp, model_type="bpe", vocab_size=vocab_size,
-        byte_fallback=byte_fallback, pad_id=0, unk_id=1, bos_id=2, eos_id=3,
-        normalization_rule_name="identity", remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
-        split_digits=True, input_sentence_size=max_sentences, shuffle_input_sentence=True,
-        max_sentence_length=16384, num_threads=threads or max(1, os.cpu_count() or 1), minloglevel=2,
-        train_extremely_large_corpus=False,
-    )
-    # Sentence sampling is random in sentencepiece; a fixed seed keeps cached tokenizers reproducible.
-    spm.set_random_generator_seed(0)
-    try:
-        spm.SentencePieceTrainer.train(**kwargs)
-    except RuntimeError as e:
-        raise DataError(model_prefix, f"sentencepiece training failed: {e}") from None
-    os.replace(tmp + ".model", model_prefix + ".model")
-    os.replace(tmp + ".vocab", model_prefix + ".vocab")
-    return model_prefix + ".model"
+    n = 0
+    with open(out_file, "w", encoding="utf-8") as f:
+        for text in iter_documents(inputs, text_field=text_field):
+            f.write(text if text.endswith("\n") else text + "\n")
+            n += 1
+            if n % 10000 == 0:
+                log.info("read %d documents", n)
+            if max_docs is not None and n >= max_docs:
+                break
+    if n == 0:
+        raise DataError(",".join(inputs), f"no document has text in field {text_field!r}")
+    return n
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """python -m data.tokenizer --input a.txt,b.txt --prefix out/tok --vocab-size 32000"""
+    """python -m data.tokenizer --input corpus.jsonl [more files or folders] --prefix out/tok --vocab-size 32000"""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m data.tokenizer", description=main.__doc__)
-    ap.add_argument("--input", required=True, help="comma-separated plain-text files, one sentence per line")
+    ap = argparse.ArgumentParser(prog="python -m data.tokenizer", description="Train a sentencepiece BPE "
+                                 "tokenizer on documents (JSONL, JSON, Parquet, text files or folders of them).")
+    ap.add_argument("--input", nargs="+", required=True, help="files or folders (comma-separated also accepted)")
     ap.add_argument("--prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
     ap.add_argument("--vocab-size", type=int, required=True)
+    ap.add_argument("--text-field", default="text", help="field holding the text in JSONL/Parquet records")
     ap.add_argument("--no-byte-fallback", action="store_true")
-    ap.add_argument("--max-sentences", type=int, default=2_000_000)
+    ap.add_argument("--max-sentences", type=int, default=2_000_000, help="lines sampled for training")
     a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    inputs = [p for item in a.input for p in item.split(",") if p]
     try:
-        path = train_bpe(a.input.split(","), a.prefix, a.vocab_size, byte_fallback=not a.no_byte_fallback,
-                         max_sentences=a.max_sentences)
+        os.makedirs(os.path.dirname(os.path.abspath(a.prefix)), exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(a.prefix))) as tmp:
+            text_file = os.path.join(tmp, "documents.txt")
+            docs = write_training_text(inputs, text_file, a.text_field)
+            log.info("training on %d documents (%.1f MB of text)", docs, os.path.getsize(text_file) / 1e6)
+            path = train_bpe([text_file], a.prefix, a.vocab_size, byte_fallback=not a.no_byte_fallback,
+                             max_sentences=a.max_sentences)
     except DataError as e:
         raise SystemExit(f"error: {e}") from None
-    print(f"wrote {path} ({Tokenizer(path).vocab_size} pieces)")
+    print(f"wrote {path} ({load_tokenizer(path).vocab_size} pieces, from {docs} documents)")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
 """Export a training checkpoint to a Hugging Face LlamaForCausalLM folder.
 
-    python -m models.llama.export_hf CKPT_DIR OUT_DIR [--dtype float32|bfloat16] [--tokenizer SP.model]
+    python -m models.llama.export_hf CKPT_DIR OUT_DIR [--dtype float32|bfloat16] [--tokenizer TOKENIZER]
 
 CKPT_DIR is a torch.distributed.checkpoint directory (or a run directory / its checkpoints/ folder,
 whose `latest` pointer names one) whose entries `model.<parameter name>` hold
 full logical fp32 tensors flattened to 1-D, with the run's resolved config.yaml inside it or in its
-parent (model node under `model`, sentencepiece model path under `data.tokenizer` if any). Only the
+parent (model node under `model`, the tokenizer path under `data.tokenizer` if any). Only the
 model entries are read, in this one process, without a process group; their shapes come from a
 meta-device model built from the saved config. OUT_DIR receives config.json, model.safetensors
-and, when the config names a tokenizer, tokenizer.model with its LlamaTokenizer config.
+and, when the config names a tokenizer, tokenizer.json + tokenizer_config.json (models/llama/hf.py
+write_tokenizer: any tokenizer kind, encoding exactly as training did).
 """
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ def load_model_state(ckpt_dir: str | pathlib.Path, cfg: LlamaConfig) -> dict[str
 
 def export(ckpt_dir: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: str = "float32",
            tokenizer: str | pathlib.Path | None = None) -> pathlib.Path:
-    """Write OUT_DIR; `tokenizer` (a sentencepiece .model) overrides the saved data.tokenizer."""
+    """Write OUT_DIR; `tokenizer` (any kind data/tokenizer.py loads) overrides the saved data.tokenizer."""
     from safetensors.torch import save_file
 
     if dtype not in DTYPES:
@@ -119,7 +120,7 @@ def export(ckpt_dir: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: str
     tok = tokenizer or (full.get("data") or {}).get("tokenizer")
     if tok:
         tok_path = pathlib.Path(tok)
-        if not tok_path.is_file():
+        if not tok_path.exists():
             raise FileNotFoundError(f"tokenizer {tok} does not exist")
         special = write_tokenizer(tok_path, out_dir, cfg.max_seq_len)
     else:
@@ -137,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out_dir")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
                     help="weights dtype (float32 keeps the export lossless)")
-    ap.add_argument("--tokenizer", help="sentencepiece .model to ship (default: data.tokenizer of the saved config)")
+    ap.add_argument("--tokenizer", help="tokenizer to ship: .model, tokenizer.json or tiktoken file "
+                    "(default: data.tokenizer of the saved config)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -186,24 +186,56 @@ def llama_config_from_dict(d: Mapping[str, Any]) -> LlamaConfig:
 
 # ---- tokenizer ----
 
-def write_tokenizer(sp_model: str | pathlib.Path, out_dir: str | pathlib.Path, max_len: int) -> dict[str, int | None]:
-    """Copy a sentencepiece model as tokenizer.model with a LlamaTokenizer config; returns special ids."""
-    import sentencepiece as spm
+_ADDS_TOKENS = ("TemplateProcessing", "BertProcessing", "RobertaProcessing")
 
-    sp = spm.SentencePieceProcessor(model_file=str(sp_model))
+
+def _without_added_tokens(processor: dict | None) -> dict | None:
+    """A tokenizer.json post-processor minus the steps that add tokens (BOS/EOS templates): training
+    saw documents as their ids then EOS (data/tok_base.py), so the exported tokenizer adds nothing."""
+    if processor is None or processor.get("type") in _ADDS_TOKENS:
+        return None
+    if processor.get("type") == "Sequence":
+        kept = [p for p in processor["processors"] if p.get("type") not in _ADDS_TOKENS]
+        return {**processor, "processors": kept} if kept else None
+    return processor
+
+
+def write_tokenizer(tokenizer: str | pathlib.Path, out_dir: str | pathlib.Path, max_len: int) -> dict[str, int | None]:
+    """Write the training tokenizer (any kind data/tokenizer.py loads) as tokenizer.json +
+    tokenizer_config.json for transformers' AutoTokenizer, encoding text exactly as training did: no
+    BOS or EOS added (add_bos_token/add_eos_token false), special-token spellings in text are ordinary
+    text (split_special_tokens). A sentencepiece or tiktoken file is shipped beside it under its
+    run-directory name (tokenizer.model / tokenizer.tiktoken). Returns the special ids for config.json."""
+    from data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(tokenizer))
     out_dir = pathlib.Path(out_dir)
-    shutil.copyfile(sp_model, out_dir / "tokenizer.model")
+    doc = json.loads(tok.hf_tokenizer().to_str())
+    doc["post_processor"] = _without_added_tokens(doc.get("post_processor"))
+    doc["truncation"] = doc["padding"] = None
+    (out_dir / "tokenizer.json").write_text(json.dumps(doc, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    if tok.kind != "hf":  # the original file too, for import_hf and other tools
+        shutil.copyfile(tok.model_file, out_dir / tok.copy_name)
+    ids = {"bos": tok.bos_id, "eos": tok.eos_id, "unk": tok.unk_id, "pad": tok.pad_id}
+    names = {k: _token_spelling(doc, i) for k, i in ids.items()}
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
+           "add_bos_token": False, "add_eos_token": False, "split_special_tokens": True,
+           "clean_up_tokenization_spaces": False, "training_tokenizer_kind": tok.kind}
+    cfg.update({f"{k}_token": name for k, name in names.items() if name is not None})
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    special = {f"{k}_token": name for k, name in names.items() if name is not None}
+    (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2, ensure_ascii=False) + "\n")
+    return {k: (i if i is not None and i >= 0 else None) for k, i in ids.items()}
 
-    def piece(i: int) -> str | None:
-        return sp.id_to_piece(i) if 0 <= i < sp.get_piece_size() else None
 
-    ids = {"bos": sp.bos_id(), "eos": sp.eos_id(), "unk": sp.unk_id(), "pad": sp.pad_id()}
-    cfg = {"tokenizer_class": "LlamaTokenizer", "model_max_length": max_len,
-           "add_bos_token": ids["bos"] >= 0, "add_eos_token": False, "legacy": False,
-           "clean_up_tokenization_spaces": False, "sp_model_kwargs": {}}
-    for k, i in ids.items():
-        cfg[f"{k}_token"] = piece(i)
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    special = {f"{k}_token": piece(i) for k, i in ids.items() if piece(i) is not None}
-    (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
-    return {k: (i if i >= 0 else None) for k, i in ids.items()}
+def _token_spelling(doc: Mapping[str, Any], i: int | None) -> str | None:
+    """The spelling of token id i in a tokenizer.json (added tokens or the model's vocabulary)."""
+    if i is None or i < 0:
+        return None
+    for t in doc.get("added_tokens", []):
+        if t["id"] == i:
+            return t["content"]
+    vocab = doc["model"].get("vocab")
+    if isinstance(vocab, dict):
+        return next((k for k, v in vocab.items() if v == i), None)
+    return None

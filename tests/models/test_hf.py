@@ -148,7 +148,9 @@ def test_tokenizer_is_exported_for_llama_tokenizer(tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
     text = "the lazy fox jumps 12"
-    assert tok(text)["input_ids"] == [1] + sp.encode(text)
+    # No BOS: training saw documents as their ids then EOS (data/tok_base.py).
+    assert tok(text)["input_ids"] == sp.encode(text)
+    assert tok(" " + text)["input_ids"] == sp.encode(" " + text)
     import_hf(tmp_path / "hf", tmp_path / "back")
     saved = OmegaConf.load(tmp_path / "back" / "config.yaml")
     assert pathlib.Path(saved.data.tokenizer).read_bytes() == (tmp_path / "sp.model").read_bytes()
