@@ -1,4 +1,8 @@
-"""Blending several datasets by weight: data.blend=[[0.7,PATH1],[0.3,PATH2]].
+"""Blending several datasets by weight.
+
+data.blend takes the pairs [[0.7, PREFIX1], [0.3, PREFIX2]], or Megatron-LM's --data-path form: the
+flat list [0.7, PREFIX1, 0.3, PREFIX2] or the string "0.7 PREFIX1 0.3 PREFIX2". Weights are
+relative (normalised to sum 1).
 
 Global sample i comes from dataset dataset_index[i], as that dataset's sample
 dataset_sample_index[i]; the greedy assignment (build_blending_index) keeps every prefix of the
@@ -18,9 +22,21 @@ from data.errors import DataError
 _BLEND_VERSION = 1
 
 
+def _pairs(blend: Any) -> list:
+    """Megatron's flat forms ("w1 p1 w2 p2" or [w1, p1, w2, p2]) as [[w1, p1], [w2, p2]]; pairs as they are."""
+    items = blend.split() if isinstance(blend, str) else (list(blend) if blend is not None else [])
+    if not items or not all(isinstance(x, (str, int, float)) for x in items):
+        return items
+    if len(items) % 2:
+        raise DataError("data.blend", f"{len(items)} items in the flat form; expected weight prefix pairs "
+                                      "\"w1 prefix1 w2 prefix2 ...\"")
+    return [items[k:k + 2] for k in range(0, len(items), 2)]
+
+
 def parse_blend(blend: Any) -> list[tuple[float, str]]:
-    """[[weight, prefix], ...] -> [(weight, prefix)], with one-line errors naming data.blend."""
-    items = list(blend) if blend is not None else []
+    """[[weight, prefix], ...], [w, prefix, w, prefix, ...] or "w prefix w prefix ..." -> [(weight, prefix)],
+    with one-line errors naming data.blend."""
+    items = _pairs(blend)
     out = []
     for k, item in enumerate(items):
         if isinstance(item, str) or not hasattr(item, "__len__") or len(item) != 2:
@@ -34,7 +50,7 @@ def parse_blend(blend: Any) -> list[tuple[float, str]]:
             raise DataError("data.blend", f"entry {k}: weight {w} must be positive")
         out.append((w, str(prefix)))
     if not out:
-        raise DataError("data.blend", "is empty; give [[weight, prefix], ...]")
+        raise DataError("data.blend", "is empty; give [[weight, prefix], ...] or \"w1 prefix1 w2 prefix2\"")
     return out
 
 

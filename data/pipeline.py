@@ -16,11 +16,11 @@ import numpy as np
 from data.blending import BlendedDataset, blending_index, parse_blend
 from data.builtin_corpus import prepare_builtin
 from data.cache import resolve_cache_dir
-from data.dataset import GPTDataset, split_documents
+from data.dataset import GPTDataset, sample_split_documents
 from data.errors import DataError
 from data.indexed_dataset import IndexedDataset, bin_path, idx_path
-from data.preprocess import read_metadata
-from data.tokenizer import Tokenizer, check_fits_model
+from data.preprocess import dataset_prefix, read_metadata
+from data.tokenizer import Tokenizer, check_fits_model, load_tokenizer
 
 log = logging.getLogger(__name__)
 _ENTROPY_MAX_TOKENS = 100_000_000  # per dataset; the estimate is stable long before that
@@ -34,6 +34,8 @@ class TrainData:
     valid: Any | None
     unigram_entropy: float  # nats per token over the training split (blend-weighted)
     sources: list = field(default_factory=list)  # [(weight, prefix)]: what a checkpoint records (resume_check)
+    # How train/validation were drawn: {"split", "split_seed", "valid_documents": {prefix: n}}
+    split: dict = field(default_factory=dict)
 
 
 def _check_matches_tokenizer(ds: IndexedDataset, tok: Tokenizer) -> None:
@@ -52,8 +54,7 @@ def _check_matches_tokenizer(ds: IndexedDataset, tok: Tokenizer) -> None:
 
 
 def _unigram_counts(ds: GPTDataset, vocab: int) -> np.ndarray:
-    start, end = ds.token_span()
-    tokens = ds.indexed.tokens()[start:min(end, start + _ENTROPY_MAX_TOKENS)]
+    tokens = ds.leading_tokens(_ENTROPY_MAX_TOKENS)
     return np.bincount(np.asarray(tokens, dtype=np.int64), minlength=vocab)[:vocab]
 
 
@@ -90,9 +91,10 @@ def _sources(cfg: Any, model_vocab_size: int) -> tuple[list[tuple[float, str]], 
         raise DataError("data.prefix", "set data.prefix or data.blend, not both")
     if cfg.prefix or cfg.blend:
         if not cfg.tokenizer:
-            raise DataError("data.tokenizer", "is required with data.prefix / data.blend (the .model used by "
-                                              "python -m data.preprocess)")
-        return (parse_blend(cfg.blend) if cfg.blend else [(1.0, str(cfg.prefix))]), str(cfg.tokenizer)
+            raise DataError("data.tokenizer", "is required with data.prefix / data.blend (the tokenizer given to "
+                                              "python -m data.preprocess: .model, tokenizer.json or tiktoken)")
+        specs = parse_blend(cfg.blend) if cfg.blend else [(1.0, str(cfg.prefix))]
+        return [(w, dataset_prefix(p)) for w, p in specs], str(cfg.tokenizer)
     if cfg.tokenizer:
         raise DataError("data.tokenizer", "is only used with data.prefix or data.blend; the built-in corpus "
                                           "trains its own")
@@ -103,7 +105,7 @@ def _sources(cfg: Any, model_vocab_size: int) -> tuple[list[tuple[float, str]], 
     return [(1.0, corpus.prefix)], corpus.tokenizer_model
 
 
-def _build_split(parts: list[tuple[float, IndexedDataset, tuple[int, int]]], seq_len: int, num_samples: int,
+def _build_split(parts: list[tuple[float, IndexedDataset, np.ndarray]], seq_len: int, num_samples: int,
                  seed: int, cache, name: str):
     if len(parts) == 1:
         _, ind, rng = parts[0]
@@ -131,19 +133,24 @@ def _warn_validation_off(split: list[float], too_small: list[str]) -> None:
 def build_data(cfg: Any, *, seq_len: int, seed: int, train_samples: int, model_vocab_size: int) -> TrainData:
     """cfg is the `data` config node; train_samples = steps x global batch."""
     specs, tok_path = _sources(cfg, model_vocab_size)
-    tok = Tokenizer(tok_path)
+    tok = load_tokenizer(tok_path)
     padded = check_fits_model(tok, model_vocab_size, cfg.pad_vocab_multiple)
     cache = resolve_cache_dir(cfg.cache_dir)
+    # The validation split is a seeded random sample of each dataset's documents (data/dataset.py
+    # sample_split_documents), drawn with its own seed so that it stays the same across training seeds.
+    split_seed = int(cfg.split_seed)
     train_parts, valid_parts, too_small = [], [], []
+    valid_docs: dict[str, int] = {}
     for w, prefix in specs:
         ind = IndexedDataset(prefix)
         if ind.num_docs == 0:
             raise DataError(idx_path(prefix), "dataset has no documents")
         _check_matches_tokenizer(ind, tok)
-        ranges = split_documents(ind.num_docs, list(cfg.split), idx_path(prefix))
-        train_parts.append((w, ind, ranges[0]))
-        if len(ranges) > 1 and ranges[1][1] > ranges[1][0]:
-            valid_parts.append((w, ind, ranges[1]))
+        parts = sample_split_documents(ind.num_docs, list(cfg.split), split_seed, idx_path(prefix))
+        train_parts.append((w, ind, parts[0]))
+        valid_docs[prefix] = len(parts[1]) if len(parts) > 1 else 0
+        if valid_docs[prefix]:
+            valid_parts.append((w, ind, parts[1]))
         else:
             too_small.append(f"{prefix} ({ind.num_docs} documents)")
     train, members = _build_split(train_parts, seq_len, train_samples, seed, cache, "train")
@@ -155,4 +162,8 @@ def build_data(cfg: Any, *, seq_len: int, seed: int, train_samples: int, model_v
     entropy = unigram_entropy(members, [w for w, _, _ in train_parts], tok.vocab_size)
     if not math.isfinite(entropy):
         raise DataError("data", "unigram entropy of the training tokens is not finite")
-    return TrainData(tok, padded, train, valid, entropy, specs)
+    split = {"split": [float(x) for x in cfg.split], "split_seed": split_seed, "valid_documents": valid_docs}
+    log.info("data: validation = a random %s of the documents drawn with data.split_seed=%d (%s)",
+             f"{cfg.split[1] / sum(cfg.split):.2%}" if len(cfg.split) > 1 else "0%", split_seed,
+             ", ".join(f"{p}: {n} documents" for p, n in valid_docs.items()))
+    return TrainData(tok, padded, train, valid, entropy, specs, split)

@@ -3,6 +3,10 @@
     python -m data.preprocess --input corpus/ --output-prefix out/corpus --tokenizer tok.model \\
         --text-field text --workers 8
 
+Inputs are anything data/sources.py reads (JSONL, compressed JSONL, Parquet, text, saved `datasets`
+folders, folders of those, hub names). A `.bin` or `.idx` ending on the output prefix is dropped
+(`out/corpus.bin` writes out/corpus.bin and out/corpus.idx). Bad input is one line and exit code 2.
+
 Documents stream from the reader (main process) to worker processes in chunks; a bounded window
 of chunks is in flight, and results are written in input order, so memory stays bounded whatever
 the corpus size. EOS is appended to every document. Outputs are written under temporary names and
@@ -19,16 +23,17 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Iterator, Sequence
 
 import numpy as np
 
+from amsp.errors import one_line_errors
 from data.errors import DataError
 from data.indexed_dataset import IndexedDatasetWriter, token_dtype
-from data.sources import iter_documents
+from data.progress import Progress
+from data.sources import SourceTally, iter_documents
 from data.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -72,6 +77,30 @@ def encode_chunk(texts: list[str], tok: Tokenizer | None = None) -> tuple[np.nda
     return flat, lengths
 
 
+def _encode_job(texts: list[str]) -> tuple[np.ndarray, np.ndarray, int]:
+    """encode_chunk in a worker, plus the chunk's UTF-8 size for the progress line (counted here, off
+    the reader's critical path)."""
+    flat, lengths = encode_chunk(texts)
+    return flat, lengths, sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+
+
+def _stop_pool(pool, in_flight, graceful: bool, timeout: float = 120.0) -> None:
+    """Shut the pool down. Gracefully (at the end, or after a bad input): the chunks still in flight
+    (at most 2 per worker) finish first and the workers exit on their own. Pool.terminate() kills
+    workers where they are, and one killed while sending its result leaves the result queue's lock
+    held, so terminate() then waits forever for the pool's task thread (a CPython race that the
+    repeated bad-input runs of tests/data/test_bad_input.py met now and then). terminate() is kept
+    for interrupts, and for chunks that do not finish within `timeout` seconds (a dead worker)."""
+    deadline = time.monotonic() + timeout
+    for r in in_flight if graceful else ():
+        r.wait(max(0.0, deadline - time.monotonic()))
+    if graceful and all(r.ready() for r in in_flight):
+        pool.close()
+    else:
+        pool.terminate()
+    pool.join()
+
+
 def _chunks(docs: Iterator[str], max_docs: int, max_chars: int) -> Iterator[list[str]]:
     chunk, chars = [], 0
     for text in docs:
@@ -91,55 +120,68 @@ class PreprocessStats:
     seconds: float
     max_token_id: int
     skipped_empty: int = 0  # records whose text field was null, missing or empty (not written)
+    text_bytes: int = 0  # UTF-8 bytes of the documents written
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / max(self.seconds, 1e-9)
 
 
-def _progress(enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(unit="doc", disable=not enabled, file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+def dataset_prefix(path: str) -> str:
+    """The prefix of PREFIX.bin/PREFIX.idx: a trailing .bin or .idx is dropped, as people often name
+    the file they mean (`--output-prefix out/x.bin` writes out/x.bin and out/x.idx, not out/x.bin.bin)."""
+    for suffix in (".bin", ".idx"):
+        if path.endswith(suffix) and len(path) > len(suffix):
+            return path[:-len(suffix)]
+    return path
 
 
 def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str, *, text_field: str = "text",
                workers: int = 1, split: str = "train", text_sample_by: str = "document",
-               chunk_docs: int = 64, chunk_chars: int = 1 << 20, progress: bool = True) -> PreprocessStats:
-    """Tokenize `inputs` into OUTPUT_PREFIX.{bin,idx,json}; returns counts and timing."""
+               chunk_docs: int = 64, chunk_chars: int = 1 << 20, progress: bool = True,
+               progress_every: float = 30.0) -> PreprocessStats:
+    """Tokenize `inputs` into OUTPUT_PREFIX.{bin,idx,json}; returns counts and timing.
+
+    progress: a throughput line on stderr (data/progress.py); progress_every: seconds between lines
+    when stderr is not a terminal."""
     if workers < 1:
         raise DataError("--workers", f"must be >= 1, got {workers}")
+    output_prefix = dataset_prefix(output_prefix)
     tok = Tokenizer(tokenizer_model)
     dtype = token_dtype(tok.vocab_size)
-    skipped: dict[str, int] = {}
-    docs = iter_documents(inputs, text_field=text_field, split=split, text_sample_by=text_sample_by,
-                          skipped=skipped)
+    tally: dict[str, SourceTally] = {}
+    docs = iter_documents(inputs, text_field=text_field, split=split, text_sample_by=text_sample_by, tally=tally)
     writer = IndexedDatasetWriter(output_prefix, dtype)
     # fork keeps worker start-up cheap (the workers only need sentencepiece); spawn elsewhere.
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     t0 = time.perf_counter()
     max_id = -1
-    bar = _progress(progress)
+    text_bytes = 0
+    bar = Progress(progress, every=progress_every)
     try:
-        with _pool_with_default_sigterm(ctx, workers, tok.model_file) as pool:
-            window: collections.deque = collections.deque()
-
+        pool = _pool_with_default_sigterm(ctx, workers, tok.model_file)
+        window: collections.deque = collections.deque()
+        try:
             def drain_one() -> None:
-                nonlocal max_id
-                flat, lengths = window.popleft().get()
+                nonlocal max_id, text_bytes
+                flat, lengths, nbytes = window.popleft().get()
                 writer.add_documents(flat, lengths)
                 if flat.size:
                     max_id = max(max_id, int(flat.max()))
-                bar.update(len(lengths))
-                dt = time.perf_counter() - t0
-                bar.set_postfix_str(f"{writer.num_tokens / dt:,.0f} tok/s", refresh=False)
+                text_bytes += nbytes
+                bar.update(len(lengths), int(flat.size), nbytes, sum(t.skipped for t in tally.values()))
 
             for chunk in _chunks(docs, chunk_docs, chunk_chars):
-                window.append(pool.apply_async(encode_chunk, (chunk,)))
+                window.append(pool.apply_async(_encode_job, (chunk,)))
                 if len(window) >= 2 * workers:  # bounded in-flight work = bounded memory
                     drain_one()
             while window:
                 drain_one()
+        except BaseException as e:
+            _stop_pool(pool, window, graceful=isinstance(e, Exception))
+            raise
+        _stop_pool(pool, window, graceful=True)
+        skipped = {src: t.skipped for src, t in tally.items() if t.skipped}
         _report_skipped(skipped, writer.num_docs, text_field)
         if writer.num_docs == 0:
             raise DataError(",".join(inputs), f"empty input: no document has text in field {text_field!r}"
@@ -154,10 +196,13 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str, 
     finally:
         bar.close()
     seconds = time.perf_counter() - t0
-    stats = PreprocessStats(writer.num_docs, writer.num_tokens, seconds, max_id, sum(skipped.values()))
-    meta = {"tokenizer": tok.model_file, "tokenizer_sha256": tok.fingerprint(), "vocab_size": tok.vocab_size,
+    stats = PreprocessStats(writer.num_docs, writer.num_tokens, seconds, max_id, sum(skipped.values()), text_bytes)
+    # Documents are written in source order: source k holds the next `documents` ids after source k-1's.
+    sources = [{"source": src, "documents": t.documents, "skipped_empty": t.skipped} for src, t in tally.items()]
+    meta = {"tokenizer": tok.model_file, "tokenizer_kind": tok.kind, **tok.document_format,
+            "tokenizer_sha256": tok.fingerprint(), "vocab_size": tok.vocab_size,
             "eos_id": tok.eos_id, "dtype": np.dtype(dtype).name, "inputs": list(inputs), "text_field": text_field,
-            **asdict(stats)}
+            **asdict(stats), "sources": sources}
     tmp = f"{output_prefix}.json.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(meta, f, indent=1)
@@ -190,24 +235,30 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m data.preprocess",
                                  description="Tokenize documents into Megatron-LM .bin/.idx files.")
     ap.add_argument("--input", nargs="+", required=True,
-                    help="files (.jsonl .json .parquet .txt .arrow), folders of them, or hub dataset names")
-    ap.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx and PREFIX.json")
-    ap.add_argument("--tokenizer", required=True, help="sentencepiece .model (python -m data.tokenizer trains one)")
-    ap.add_argument("--text-field", default="text")
+                    help="files (.jsonl .json, also .gz/.zst/.bz2/.xz; .parquet .txt .arrow), folders saved with "
+                         "datasets' save_to_disk, folders of these, or hub dataset names")
+    ap.add_argument("--output-prefix", required=True,
+                    help="writes PREFIX.bin, PREFIX.idx and PREFIX.json (a .bin/.idx ending is dropped)")
+    ap.add_argument("--tokenizer", required=True, help="sentencepiece .model, tokenizer.json (or its folder) or "
+                    "tiktoken BPE file (python -m data.tokenizer trains a .model)")
+    ap.add_argument("--text-field", default="text", help="the column/key holding each document's text")
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
-    ap.add_argument("--split", default="train", help="split of a hub dataset")
+    ap.add_argument("--split", default="train", help="split of a hub dataset or a saved DatasetDict")
     ap.add_argument("--text-sample-by", default="document", choices=["document", "line", "paragraph"],
                     help="how plain-text files are cut into documents")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-progress", action="store_true", help="no throughput lines on stderr")
+    ap.add_argument("--progress-every", type=float, default=30.0, metavar="SECONDS",
+                    help="seconds between throughput lines when stderr is not a terminal (a job log)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        s = preprocess(a.input, a.output_prefix, a.tokenizer, text_field=a.text_field, workers=a.workers,
-                       split=a.split, text_sample_by=a.text_sample_by, progress=not a.no_progress)
-    except DataError as e:
-        raise SystemExit(f"error: {e}") from None
-    print(f"wrote {a.output_prefix}.bin/.idx: {s.documents} documents, {s.tokens} tokens in {s.seconds:.1f} s "
-          f"({s.documents / max(s.seconds, 1e-9):,.0f} docs/s, {s.tokens_per_s:,.0f} tokens/s)"
+    prefix = dataset_prefix(a.output_prefix)
+    with one_line_errors():  # a DataError is one line on stderr and exit code 2
+        s = preprocess(a.input, prefix, a.tokenizer, text_field=a.text_field, workers=a.workers, split=a.split,
+                       text_sample_by=a.text_sample_by, progress=not a.no_progress,
+                       progress_every=a.progress_every)
+    print(f"wrote {prefix}.bin/.idx: {s.documents} documents, {s.tokens} tokens, {s.text_bytes / 1e6:.1f} MB of "
+          f"text in {s.seconds:.1f} s ({s.documents / max(s.seconds, 1e-9):,.0f} docs/s, "
+          f"{s.tokens_per_s:,.0f} tokens/s)"
           + (f"; skipped {s.skipped_empty} records with null or empty text" if s.skipped_empty else ""))
 
 

@@ -40,7 +40,10 @@ def run_identity(seq_len: int, data: Any, model_vocab_size: int) -> dict:
     return {"seq_len": int(seq_len), "tokenizer_sha256": data.tokenizer.fingerprint(),
             "tokenizer_file": data.tokenizer.model_file, "tokenizer_vocab_size": int(data.tokenizer.vocab_size),
             "model_vocab_size": int(model_vocab_size),
-            "data_sources": [[float(w), os.path.abspath(p)] for w, p in data.sources]}
+            "data_sources": [[float(w), os.path.abspath(p)] for w, p in data.sources],
+            # Which documents are held out for validation decides the training stream too.
+            "data_split": {"split": [float(x) for x in data.split.get("split", [])],
+                           "split_seed": data.split.get("split_seed")}}
 
 
 def _blend(sources) -> str:
@@ -59,6 +62,12 @@ def changes(old: dict, now: dict) -> dict[str, str]:
                             f"{now['tokenizer_file']} (sha256 {now['tokenizer_sha256'][:12]}){pieces}")
     if "data_sources" in old and [[float(w), p] for w, p in old["data_sources"]] != now["data_sources"]:
         out["data"] = f"data sources {_blend(old['data_sources'])} -> {_blend(now['data_sources'])}"
+    elif "data_sources" in old and old.get("data_split") != now["data_split"]:
+        # Checkpoints written before data.split_seed held out the last documents of each dataset.
+        was = (f"data.split {old['data_split']['split']} with data.split_seed={old['data_split']['split_seed']}"
+               if "data_split" in old else "the last documents of each dataset held out (before data.split_seed)")
+        out["data"] = (f"validation split {was} -> data.split {now['data_split']['split']} with "
+                       f"data.split_seed={now['data_split']['split_seed']}")
     return out
 
 

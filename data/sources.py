@@ -1,23 +1,49 @@
-"""Documents from local files, folders or hub datasets, read through the `datasets` library.
+"""Documents from local files, folders, saved `datasets` folders or hub datasets.
 
-Each local file is opened on its own in streaming mode, so a corpus larger than memory is read
-piece by piece and every read error names the file it came from.
+Supported inputs:
+    JSONL / JSON files       .jsonl .json, also compressed: .gz .zst .bz2 .xz
+    Parquet files            .parquet
+    plain text               .txt .text (compressed too); one document per file, line or paragraph
+    Arrow files              .arrow
+    saved `datasets` folders written by Dataset.save_to_disk / DatasetDict.save_to_disk
+    plain folders            every file above found below them (save_to_disk folders included)
+    hub dataset names        `name` or `org/name` that is no local path (streamed)
+
+Each source is opened on its own (files in streaming mode), so a corpus larger than memory is read
+piece by piece and every read error names the file it came from. Only the text column is read.
 """
 from __future__ import annotations
 
+import bz2
+import gzip
 import logging
+import lzma
 import os
 import re
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from data.errors import DataError
 
 log = logging.getLogger(__name__)
 
+_COMPRESSIONS = ("", ".gz", ".zst", ".bz2", ".xz")  # `datasets` decompresses these by suffix
+_TEXT_LIKE = {".jsonl": "json", ".json": "json", ".txt": "text", ".text": "text"}
 # File suffix -> `datasets` builder.
-BUILDERS = {".jsonl": "json", ".json": "json", ".jsonl.gz": "json", ".json.gz": "json", ".parquet": "parquet",
-            ".txt": "text", ".text": "text", ".arrow": "arrow"}
+BUILDERS = {**{base + c: b for base, b in _TEXT_LIKE.items() for c in _COMPRESSIONS},
+            ".parquet": "parquet", ".arrow": "arrow"}
+SAVED = "saved"  # pseudo-builder: a folder written by save_to_disk, read with datasets.load_from_disk
+HUB = "hub"
+_BATCH = 1000  # rows per batch read from a source
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+@dataclass
+class SourceTally:
+    """What one source gave: documents yielded and records skipped for null, missing or empty text."""
+
+    documents: int = 0
+    skipped: int = 0
 
 
 def builder_for(path: str) -> str | None:
@@ -28,10 +54,72 @@ def builder_for(path: str) -> str | None:
     return None
 
 
+def is_saved_dataset(path: str) -> bool:
+    """A folder written by Dataset.save_to_disk (state.json + dataset_info.json) or
+    DatasetDict.save_to_disk (dataset_dict.json)."""
+    return os.path.isfile(os.path.join(path, "dataset_dict.json")) or (
+        os.path.isfile(os.path.join(path, "state.json")) and os.path.isfile(os.path.join(path, "dataset_info.json")))
+
+
+def _holds_no_bytes(path: str) -> bool:
+    """An empty file, or a compressed one that decompresses to nothing (datasets cannot infer a schema
+    from either, and they hold no documents)."""
+    if os.path.getsize(path) == 0:
+        return True
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".zst":
+        import zstandard
+
+        opener = zstandard.open
+    elif ext in (".gz", ".bz2", ".xz"):
+        opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}[ext]
+    else:
+        return False
+    with opener(path, "rb") as f:
+        return f.read(1) == b""
+
+
 def _looks_local(item: str) -> bool:
     """A missing path is an error; only a bare `name` or `org/name` may mean a hub dataset."""
     return (builder_for(item) is not None or item.startswith(("/", ".", "~")) or not _HUB_NAME.match(item)
             or os.path.isdir(item.split("/")[0]))
+
+
+def _supported() -> str:
+    return (f"{' '.join(_TEXT_LIKE)} (plain or {' '.join(c for c in _COMPRESSIONS if c)}), .parquet or .arrow files, "
+            "or folders saved with datasets' save_to_disk")
+
+
+def _walk_folder(folder: str) -> list[tuple[str, str]]:
+    """Every readable source below a plain folder, sorted by path; saved datasets count as one source.
+    Hidden entries (.cache, .git, ...) are skipped; other files of unknown type are named in a warning."""
+    found: list[tuple[str, str]] = []
+    ignored: list[str] = []
+    for d, subdirs, files in os.walk(folder):
+        keep = []
+        for s in sorted(subdirs):
+            if s.startswith("."):
+                continue
+            if is_saved_dataset(os.path.join(d, s)):
+                found.append((os.path.join(d, s), SAVED))
+            else:
+                keep.append(s)
+        subdirs[:] = keep
+        for f in files:
+            if f.startswith("."):
+                continue
+            b = builder_for(f)
+            if b is None:
+                ignored.append(os.path.join(d, f))
+            else:
+                found.append((os.path.join(d, f), b))
+    if not found:
+        raise DataError(folder, f"folder has no {_supported()}")
+    if ignored:
+        ignored.sort()
+        log.warning("%s: ignoring %d file(s) of unknown type: %s%s (readable: %s)", folder, len(ignored),
+                    ", ".join(ignored[:5]), ", ..." if len(ignored) > 5 else "", _supported())
+    return sorted(found)
 
 
 def resolve_inputs(inputs: Sequence[str]) -> list[tuple[str, str]]:
@@ -39,76 +127,100 @@ def resolve_inputs(inputs: Sequence[str]) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     for item in inputs:
         if os.path.isdir(item):
-            found = sorted(os.path.join(d, f) for d, _, fs in os.walk(item) for f in fs if builder_for(f))
-            if not found:
-                raise DataError(item, f"folder has no {'/'.join(sorted(BUILDERS))} files")
-            out += [(f, builder_for(f)) for f in found]
+            out += [(item, SAVED)] if is_saved_dataset(item) else _walk_folder(item)
         elif os.path.isfile(item):
             b = builder_for(item)
             if b is None:
-                raise DataError(item, f"unknown file type; expected one of {', '.join(sorted(BUILDERS))}")
+                raise DataError(item, f"unknown file type; expected {_supported()}")
             out.append((item, b))
         elif _looks_local(item):
             raise DataError(item, "input file or folder not found")
         else:
-            out.append((item, "hub"))
+            out.append((item, HUB))
     return out
 
 
-def _open(source: str, builder: str, split: str, text_sample_by: str):
+def _no_field(source: str, field: str, fields) -> DataError:
+    return DataError(source, f"no text field {field!r}; fields are {sorted(fields)} (set --text-field)")
+
+
+def _saved_batches(source: str, field: str, split: str) -> Iterator[list]:
     import datasets
 
-    datasets.disable_progress_bars()
-    if builder == "hub":
+    ds = datasets.load_from_disk(source)
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DataError(source, f"saved DatasetDict has no split {split!r}; splits are {sorted(ds)} (set --split)")
+        ds = ds[split]
+    if field not in ds.column_names:
+        raise _no_field(source, field, ds.column_names)
+    for batch in ds.select_columns([field]).iter(batch_size=_BATCH):
+        yield batch[field]
+
+
+def _streamed_batches(source: str, builder: str, field: str, split: str, text_sample_by: str) -> Iterator[list]:
+    import datasets
+
+    if builder == HUB:
         try:
-            return datasets.load_dataset(source, split=split, streaming=True)
+            ds = datasets.load_dataset(source, split=split, streaming=True)
         except Exception as e:  # noqa: BLE001 - any hub failure becomes one line naming the source
             raise DataError(source, f"not a local file or folder, and loading it as a hub dataset failed: "
                                     f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-    kwargs = {"sample_by": text_sample_by} if builder == "text" else {}
-    return datasets.load_dataset(builder, data_files=[source], split="train", streaming=True, **kwargs)
+    else:
+        kwargs = {"sample_by": text_sample_by} if builder == "text" else {}
+        ds = datasets.load_dataset(builder, data_files=[source], split="train", streaming=True, **kwargs)
+    if ds.features is not None:  # known up front (parquet, arrow, json): check and read only the text column
+        if field not in ds.features:
+            raise _no_field(source, field, ds.features)
+        ds = ds.select_columns([field])
+    first = True
+    for batch in ds.iter(batch_size=_BATCH):
+        if first and field not in batch:
+            raise _no_field(source, field, batch)
+        first = False
+        yield batch[field]
 
 
 def _read_error(source: str, builder: str, e: Exception) -> DataError:
     if isinstance(e, UnicodeDecodeError):
         return DataError(source, f"undecodable bytes (not valid UTF-8) at byte {e.start} of a chunk: {e.reason}")
     first = str(e).splitlines()[0] if str(e) else ""
-    return DataError(source, f"cannot read as {builder}: {type(e).__name__}: {first}")
+    what = "a saved datasets folder" if builder == SAVED else builder
+    return DataError(source, f"cannot read as {what}: {type(e).__name__}: {first}")
 
 
 def iter_documents(inputs: Sequence[str], text_field: str = "text", split: str = "train",
-                   text_sample_by: str = "document", skipped: dict[str, int] | None = None) -> Iterator[str]:
+                   text_sample_by: str = "document", tally: dict[str, SourceTally] | None = None) -> Iterator[str]:
     """Yield the text of every document, in input order.
 
     Plain-text files are one document per file by default (text_sample_by="document"); "line" and
-    "paragraph" split them further. Documents whose text is empty or missing (None) are skipped;
-`skipped`, when given, counts them per source (preprocess() reports the count).
+    "paragraph" split them further. `split` picks the split of a hub dataset or a saved DatasetDict.
+    Records whose text is null, missing or empty are skipped; `tally`, when given, receives per source
+    (in input order) the documents yielded and the records skipped, so the caller can report them.
     """
     if text_sample_by not in ("document", "line", "paragraph"):
         raise DataError("--text-sample-by", f"{text_sample_by!r} is not one of document|line|paragraph")
+    import datasets
+
+    datasets.disable_progress_bars()
     for source, builder in resolve_inputs(inputs):
+        counts = tally.setdefault(source, SourceTally()) if tally is not None else SourceTally()
         field = "text" if builder == "text" else text_field
-        if builder != "hub" and os.path.getsize(source) == 0:
-            continue  # an empty file holds no documents (datasets cannot infer its schema)
         try:
-            ds = _open(source, builder, split, text_sample_by)
-            it = iter(ds)
-            first = True
-            while True:
-                try:
-                    row = next(it)
-                except StopIteration:
-                    break
-                if first and field not in row:
-                    raise DataError(source, f"no text field {field!r}; fields are {sorted(row)} (set --text-field)")
-                first = False
-                text = row.get(field)
-                if text is not None and not isinstance(text, str):
-                    raise DataError(source, f"field {field!r} holds {type(text).__name__}, not text")
-                if text:
+            if builder in ("json", "text") and _holds_no_bytes(source):
+                continue  # no documents (and datasets cannot infer a schema from nothing)
+            batches = (_saved_batches(source, field, split) if builder == SAVED
+                       else _streamed_batches(source, builder, field, split, text_sample_by))
+            for texts in batches:
+                for text in texts:
+                    if text is None or text == "":
+                        counts.skipped += 1
+                        continue
+                    if not isinstance(text, str):
+                        raise DataError(source, f"field {field!r} holds {type(text).__name__}, not text")
+                    counts.documents += 1
                     yield text
-                elif skipped is not None:
-                    skipped[source] = skipped.get(source, 0) + 1
         except DataError:
             raise
         except Exception as e:  # noqa: BLE001 - re-raised as one line naming the file

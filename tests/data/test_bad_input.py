@@ -130,8 +130,8 @@ def test_tokenizer_larger_than_the_model_names_both_sizes(tokenizer_model):
 
 
 def _data_cfg(**kw):
-    base = dict(prefix=None, blend=None, tokenizer=None, split=[90.0, 10.0], valid_samples=8, seed=None,
-                pad_vocab_multiple=128, prefetch=2, cache_dir=None, builtin=None)
+    base = dict(prefix=None, blend=None, tokenizer=None, split=[90.0, 10.0], split_seed=1234, valid_samples=8,
+                seed=None, pad_vocab_multiple=128, prefetch=2, cache_dir=None, builtin=None)
     base.update(kw)
     return SimpleNamespace(**base)
 

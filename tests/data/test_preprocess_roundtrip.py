@@ -113,10 +113,11 @@ def test_command_line(tmp_path, tokenizer_model, dataset_prefix, texts):
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"{len(texts)} documents" in r.stdout and "tokens/s" in r.stdout
-    assert "doc/s" in r.stderr  # the progress bar
+    assert "docs/s" in r.stderr and "tokens/s" in r.stderr and "B/s" in r.stderr  # the progress line
     for ext in (".bin", ".idx"):
         assert open(str(tmp_path / "cli") + ext, "rb").read() == open(dataset_prefix + ext, "rb").read()
     r = subprocess.run(cmd[:4] + [str(tmp_path / "missing.jsonl")] + cmd[5:], cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
-    assert r.returncode == 1
-    assert r.stderr.strip().splitlines()[-1] == f"error: {tmp_path / 'missing.jsonl'}: input file or folder not found"
+    assert r.returncode == 2  # an input error (amsp/errors.py)
+    assert r.stderr.strip().splitlines()[-1] == (f"input error: {tmp_path / 'missing.jsonl'}: input file or folder "
+                                                 "not found")
