@@ -2,11 +2,12 @@
 
     python -m models.llama.import_hf HF_DIR OUT_DIR
 
-Reads config.json and safetensors weights (model.safetensors, or shards listed in
-model.safetensors.index.json; pickled .bin files are refused) from a local folder only, and writes
+Reads config.json and the weights (model.safetensors, pytorch_model.bin, or shards listed in their
+index; .bin files through torch's weights-only unpickler) from a local folder only, and writes
 OUT_DIR as a torch.distributed.checkpoint directory with entries `model.<parameter name>` (full fp32
 tensors flattened to 1-D) plus config.yaml (model node under `model`; `data.tokenizer` pointing at
-OUT_DIR/tokenizer.model when HF_DIR has a sentencepiece tokenizer), the format export_hf reads.
+the copy of HF_DIR's tokenizer.model, else tokenizer.tiktoken, else tokenizer.json, when it has
+one), the format export_hf reads.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import shutil
 import sys
 import warnings
 from dataclasses import asdict
+from typing import Any
 
 import torch
 
@@ -28,23 +30,58 @@ log = logging.getLogger(__name__)
 MODEL_PREFIX = "model."
 
 
-def read_hf_weights(hf_dir: pathlib.Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+class HFWeightFiles:
+    """The tensors of a Hugging Face folder, read one at a time: model.safetensors, shards listed in
+    model.safetensors.index.json, or pytorch_model*.bin (with its index). Safetensors files are
+    opened lazily; .bin files are memory-mapped through torch's weights-only unpickler, which
+    loads tensors and plain containers only (no arbitrary code)."""
 
-    index = hf_dir / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (hf_dir / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    elif any(hf_dir.glob("*.bin")):
-        raise ValueError(f"{hf_dir} holds only pickled .bin weights; convert them to safetensors first "
-                         "(loading pickles can run arbitrary code)")
-    else:
-        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {hf_dir}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(hf_dir / f)))
-    return state
+    def __init__(self, hf_dir: str | pathlib.Path):
+        self.dir = pathlib.Path(hf_dir)
+        self.files = self._weight_files()
+        self._open: dict[str, Any] = {}
+        self.location: dict[str, str] = {}  # HF tensor name -> file
+        for f in self.files:
+            for name in self._handle(f).keys():
+                self.location[name] = f
+
+    def _weight_files(self) -> list[str]:
+        for index, single in (("model.safetensors.index.json", "model.safetensors"),
+                              ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+            if (self.dir / index).is_file():
+                return sorted(set(json.loads((self.dir / index).read_text())["weight_map"].values()))
+            if (self.dir / single).is_file():
+                return [single]
+        raise FileNotFoundError(f"no model.safetensors, pytorch_model.bin or their sharded index in {self.dir}")
+
+    def _handle(self, f: str):
+        if f not in self._open:
+            path = self.dir / f
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} is listed in the index of {self.dir} but does not exist")
+            if f.endswith(".safetensors"):
+                from safetensors import safe_open
+                self._open[f] = safe_open(str(path), framework="pt", device="cpu")
+            else:
+                try:
+                    self._open[f] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                except Exception as e:  # not a torch zip file, or objects the weights-only unpickler refuses
+                    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    raise ValueError(f"{path}: cannot read these pickled .bin weights with torch's weights-only "
+                                     f"loader ({first}); convert them to safetensors") from None
+        return self._open[f]
+
+    def names(self) -> list[str]:
+        return list(self.location)
+
+    def get(self, name: str) -> torch.Tensor:
+        h = self._handle(self.location[name])
+        return h.get_tensor(name) if hasattr(h, "get_tensor") else h[name]
+
+
+def read_hf_weights(hf_dir: pathlib.Path) -> dict[str, torch.Tensor]:
+    files = HFWeightFiles(hf_dir)
+    return {name: files.get(name) for name in files.names()}
 
 
 def write_checkpoint(state: dict[str, torch.Tensor], cfg: LlamaConfig, out_dir: pathlib.Path,
@@ -80,11 +117,16 @@ def import_hf(hf_dir: str | pathlib.Path, out_dir: str | pathlib.Path) -> pathli
             raise ValueError(f"{k}: shape {tuple(state[k].shape)} in {hf_dir}, config.json implies {tuple(shape)}")
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = None
-    if (hf_dir / "tokenizer.model").is_file():
-        shutil.copyfile(hf_dir / "tokenizer.model", out_dir / "tokenizer.model")
-        tokenizer = str((out_dir / "tokenizer.model").resolve())
+    # The original first: a folder with tokenizer.model or tokenizer.tiktoken (LLaMA-1/2/3, our own
+    # exports) made its tokenizer.json from it.
+    for name in ("tokenizer.model", "tokenizer.tiktoken", "tokenizer.json"):
+        if (hf_dir / name).is_file():
+            shutil.copyfile(hf_dir / name, out_dir / name)
+            tokenizer = str((out_dir / name).resolve())
+            break
     else:
-        log.warning("%s has no sentencepiece tokenizer.model: imported without a tokenizer", hf_dir)
+        log.warning("%s has no tokenizer.model, tokenizer.tiktoken or tokenizer.json: imported without a "
+                    "tokenizer", hf_dir)
     write_checkpoint(state, cfg, out_dir, f"hf_{hf_dir.resolve().name}", tokenizer)
     log.info("imported %d tensors from %s into %s", len(state), hf_dir, out_dir)
     return out_dir
