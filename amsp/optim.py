@@ -20,6 +20,15 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def lr_floor(lr: float, min_lr: float | None, min_lr_ratio: float | None) -> float:
+    """The cosine's final learning rate: an absolute optim.min_lr wins, else lr x optim.min_lr_ratio."""
+    if min_lr is not None:
+        return float(min_lr)
+    if min_lr_ratio is None:
+        raise ValueError("set optim.min_lr or optim.min_lr_ratio (the floor of the cosine schedule)")
+    return float(lr) * float(min_lr_ratio)
+
+
 @dataclass(frozen=True)
 class WarmupCosine:
     """Linear warmup from 0 to `lr`, then cosine decay to `min_lr` at `decay_steps`, flat after."""

@@ -32,6 +32,14 @@ log = logging.getLogger(__name__)
 
 
 class PreemptionHandler:
+    """Turns a preemption signal into "finish this step, save, exit", then hands the signal on.
+
+    A handler installed before this one is kept and called by hand_over() once the checkpoint is
+    safe on disk: under Hydra's submitit launcher that is submitit's SIGUSR2 handler, which
+    resubmits the job's callable and runs `scontrol requeue` (global rank 0) and exits, so the
+    requeued job resumes from the checkpoint just written. Under sbatch the previous handlers are
+    the defaults and the batch script requeues (scripts/slurm/common.sh).
+    """
     # USR1: Slurm's --signal before the time limit; USR2: submitit's timeout signal; TERM: preemption.
     SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 
@@ -51,6 +59,18 @@ class PreemptionHandler:
     def agreed_signal(self) -> int:
         """The signal any rank received (0 if none). Collective: all ranks call it every step."""
         return control.all_reduce_max_int(self.received)
+
+    def hand_over(self, signum: int) -> None:
+        """Call the handler that `signum` had before this one (after the checkpoint is written), if it
+        was a Python function: submitit's checkpoint-and-requeue. Default and ignore handlers are left
+        alone (the run then simply exits). Restores the previous handlers first."""
+        self.restore()
+        previous = self._previous.get(signum)
+        if not callable(previous):
+            return
+        log.info("handing %s to the handler installed before training (%s): checkpoint written, requeue is "
+                 "its call", signal.Signals(signum).name, getattr(previous, "__qualname__", previous))
+        previous(signum, None)
 
 
 class TooManySkippedSteps(FaultError):

@@ -41,6 +41,7 @@ def test_every_rule_names_a_real_field():
     ("amsp.planner.memory_margin", 1.5, "in [0, 1)"),
     ("logging.wandb.mode", "sometimes", "online|offline|disabled"),
     ("data.split", [0.0, 2.0], "positive train share"),
+    ("optim.min_lr_ratio", 1.5, "in [0, 1]"),
 ])
 def test_bad_value_is_one_line_naming_key_value_and_allowed(key, value, allowed):
     cfg = default_cfg()

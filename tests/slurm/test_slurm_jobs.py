@@ -27,7 +27,7 @@ CPU_TORCHRUN = {"NPROC_PER_NODE": "2"}
 CPU_SBATCH = ["--nodes=1", "--gpus-per-node=0"]
 
 PLAN_LINE = re.compile(r"plan.*p/g/os = ")
-STEP_LINE = re.compile(r"step\s+(\d+)/\d+\b[^|\n]*\| loss")
+STEP_LINE = re.compile(r"step\s+(\d+)/\d+\b[^\n]*?\| loss")
 
 
 def log_of(cwd: pathlib.Path, job_name: str, job_id: str) -> pathlib.Path:
