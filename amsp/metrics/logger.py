@@ -15,7 +15,14 @@ Field meanings (times are means per step over the interval, in seconds):
   collectives; that wait happens inside the forward_backward/optimizer phases, so it is shown
   next to them, not added to them. time_other_s is what no phase covered.
 - comm_bytes_intra_node / comm_bytes_inter_node: bytes per step as counted by rank 0's engine.
-- peak_memory_bytes: the largest per-rank peak (CUDA allocator peak, or process RSS on CPU).
+- tokens: tokens seen since the run's start, counted from the data loader's consumed samples
+  (so a resumed run, even one resumed with another batch size, continues the count correctly).
+- memory_*: per rank, reduced over ranks by max (memory_peak_rank names the rank of the largest
+  peak); memory_kind says what they measure. cuda_allocator: memory_peak_bytes /
+  memory_reserved_peak_bytes are torch.cuda.max_memory_allocated / max_memory_reserved since the
+  previous log step (the peaks are reset after each reading), memory_current_bytes is allocated
+  now. cpu_rss: memory_current_bytes is the resident set size now, memory_peak_bytes the peak RSS
+  since the previous log step (VmHWM, reset after each reading), memory_reserved_peak_bytes is null.
 - rank_busy_*, slowest_rank: spread of the per-rank mean busy times (data wait + forward/backward
   + optimizer minus the engine's exposed communication wait: what a rank does on its own; wall step
   times are equal across ranks because collectives make everyone wait for the slowest),
@@ -33,7 +40,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from .memory import peak_memory_bytes
+from .memory import MEMORY_FIELDS, MEMORY_KIND, memory_snapshot
 from .peak import Peak
 from .stragglers import gather_rank_values, straggler_summary
 from .timer import PHASES
@@ -63,6 +70,22 @@ def _fmt_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def _fmt_count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{int(n)}"
+
+
+def _memory_text(r: dict[str, Any]) -> str:
+    """Compact memory for the console line (the full numbers are in the JSONL record)."""
+    rank = f" on rank {r['memory_peak_rank']}" if r["world_size"] > 1 else ""
+    if r["memory_kind"] == "cuda_allocator":
+        return (f"mem peak {_fmt_bytes(r['memory_peak_bytes'])}{rank} "
+                f"(reserved {_fmt_bytes(r['memory_reserved_peak_bytes'])})")
+    return f"rss {_fmt_bytes(r['memory_current_bytes'])} (peak {_fmt_bytes(r['memory_peak_bytes'])}{rank})"
 
 
 def _json_safe(record: dict[str, Any]) -> dict[str, Any]:
@@ -153,19 +176,26 @@ class MetricsLogger:
         self._steps += 1
 
     def log(self, step: int, *, loss: float, lr: float, grad_norm: float, skipped_steps: int = 0,
-            extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
+            tokens_seen: int | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """Close the interval ending at `step` (steps completed, 1-based). Collective: every rank
-        calls it at the same steps. Returns the record on rank 0, None elsewhere."""
+        calls it at the same steps. Returns the record on rank 0, None elsewhere.
+
+        tokens_seen: tokens consumed since the run's start (the loader's consumed samples x seq_len);
+        without it, step x tokens_per_step, which is wrong after a resume that changed the batch."""
         if self._steps == 0:
             raise RuntimeError("MetricsLogger.log() with no recorded step in the interval")
         now = self._clock()
         n = self._steps
         mean_step = self._phase_sums["step"] / n
         busy = sum(self._phase_sums[p] for p in PHASES) - self._comm_sums["exposed_s"]
-        per_rank = gather_rank_values([mean_step, max(0.0, busy / n), float(peak_memory_bytes(self.device))])
+        mem = memory_snapshot(self.device)
+        # None (no such number on this device) travels as NaN: the gather carries floats only.
+        per_rank = gather_rank_values([mean_step, max(0.0, busy / n)]
+                                      + [math.nan if mem[k] is None else float(mem[k]) for k in MEMORY_FIELDS])
         wall = now - self._window_t0
+        tokens = step * self.tokens_per_step if tokens_seen is None else int(tokens_seen)
         record = self._build_record(step, n, wall, per_rank, float(loss), float(lr), float(grad_norm),
-                                    int(skipped_steps), now)
+                                    int(skipped_steps), now, tokens)
         if extra:
             record.update(extra)
         self._reset_window()
@@ -180,7 +210,7 @@ class MetricsLogger:
         return record if self.rank == 0 else None
 
     def _build_record(self, step: int, n: int, wall: float, per_rank: list[list[float]], loss: float,
-                      lr: float, grad_norm: float, skipped: int, now: float) -> dict[str, Any]:
+                      lr: float, grad_norm: float, skipped: int, now: float, tokens: int) -> dict[str, Any]:
         tps = self.tokens_per_step * n / wall
         tps_dev = tps / self.world_size
         flops_dev = tps_dev * self.flops_per_token
@@ -189,7 +219,7 @@ class MetricsLogger:
         have_comm = self._comm_steps > 0
         comm = {k: (self._comm_sums[k] / self._comm_steps if have_comm else None) for k in COMM_KEYS}
         record: dict[str, Any] = {
-            "step": step, "total_steps": self.total_steps, "tokens": step * self.tokens_per_step,
+            "step": step, "total_steps": self.total_steps, "tokens": tokens,
             "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "tokens_per_s": tps, "tokens_per_s_per_device": tps_dev,
             "tflops_per_device": flops_dev / 1e12,
@@ -200,7 +230,7 @@ class MetricsLogger:
             "time_other_s": max(0.0, mean_step - sum(phases.values())),
             "comm_bytes_intra_node": comm["bytes_intra_node"],
             "comm_bytes_inter_node": comm["bytes_inter_node"],
-            "peak_memory_bytes": int(max(r[2] for r in per_rank)),
+            **self._memory_fields([r[2:] for r in per_rank]),
             "step_time_max_rank_s": max(r[0] for r in per_rank),
             **straggler_summary([r[1] for r in per_rank]),
             "skipped_steps": skipped, "world_size": self.world_size,
@@ -210,11 +240,20 @@ class MetricsLogger:
         }
         return record
 
+    def _memory_fields(self, per_rank: list[list[float]]) -> dict[str, Any]:
+        out: dict[str, Any] = {"memory_kind": MEMORY_KIND[self.device.type]}
+        for i, key in enumerate(MEMORY_FIELDS):
+            values = [r[i] for r in per_rank]
+            out[key] = None if any(math.isnan(v) for v in values) else int(max(values))
+        peaks = [r[0] for r in per_rank]
+        out["memory_peak_rank"] = max(range(len(peaks)), key=lambda r: (peaks[r], -r))
+        return out
+
     @staticmethod
     def console_line(r: dict[str, Any]) -> str:
         pct = 100.0 * r["step"] / r["total_steps"] if r["total_steps"] else 100.0
         parts = [
-            f"step {r['step']:5d}/{r['total_steps']} ({pct:.0f}%)",
+            f"step {r['step']:5d}/{r['total_steps']} ({pct:.0f}%)", f"{_fmt_count(r['tokens'])} tok",
             f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}", f"grad norm {r['grad_norm']:.3f}",
             f"{r['tokens_per_s']:.0f} tok/s ({r['tokens_per_s_per_device']:.0f}/dev)",
             f"{r['tflops_per_device']:.3g} TFLOP/s/dev",
@@ -226,7 +265,7 @@ class MetricsLogger:
         if r["comm_bytes_intra_node"] is not None:
             parts.append(f"comm/step intra {_fmt_bytes(r['comm_bytes_intra_node'])} "
                          f"inter {_fmt_bytes(r['comm_bytes_inter_node'])}")
-        parts.append(f"mem {_fmt_bytes(r['peak_memory_bytes'])}")
+        parts.append(_memory_text(r))
         if r["world_size"] > 1:
             parts.append(f"slowest rank {r['slowest_rank']} (busy {r['rank_busy_max_over_median']:.2f}x median)")
         parts += [f"skipped {r['skipped_steps']}", f"ETA {_fmt_duration(r['eta_s'])}"]

@@ -1,15 +1,77 @@
-"""Peak memory of this process: device allocator peak on CUDA, resident set size on CPU."""
+"""Memory of this process, as the metrics logger reports it at each log step.
+
+CUDA: the caching allocator's peaks since the previous log step (the peak statistics are reset
+after each reading, so every log interval reports its own peak) and what is allocated now.
+CPU: the resident set size now (/proc/self/statm) and the peak RSS since the previous log step
+(VmHWM of /proc/self/status, reset after each reading through /proc/self/clear_refs). Not getrusage:
+its ru_maxrss survives exec, so a rank spawned by a large parent (pytest, a launcher) would report the
+parent's resident set as its own peak. Without procfs (macOS) the lifetime ru_maxrss is the peak.
+"""
 from __future__ import annotations
 
+import os
 import resource
 import sys
 
 import torch
 
+# What `memory_snapshot` returns; None where the device has no such number.
+MEMORY_FIELDS = ("memory_peak_bytes", "memory_reserved_peak_bytes", "memory_current_bytes")
+# What the numbers mean, written into every record so a reader needs no device knowledge.
+MEMORY_KIND = {"cuda": "cuda_allocator", "cpu": "cpu_rss"}
+
 
 def peak_memory_bytes(device: torch.device) -> int:
+    """Allocator peak on CUDA, peak RSS of this process image on CPU; both since the last reset."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports kilobytes, macOS bytes.
     return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def reset_cpu_peak() -> None:
+    """Restart VmHWM from the current RSS ("5": reset the peak RSS only; proc(5) clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # no procfs: the peak stays the lifetime peak, as documented above
+        pass
+
+
+def current_rss_bytes() -> int:
+    """Resident set size of this process now."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # no procfs (macOS): the lifetime peak is the closest number there is
+        return peak_memory_bytes(torch.device("cpu"))
+
+
+def memory_snapshot(device: torch.device, reset_peak: bool = True) -> dict[str, int | None]:
+    """MEMORY_FIELDS for `device`. The peak (CUDA allocator, CPU VmHWM) restarts afterwards when
+    reset_peak, so the next snapshot reports the peak of the next window only."""
+    if device.type == "cuda":
+        out = {"memory_peak_bytes": int(torch.cuda.max_memory_allocated(device)),
+               "memory_reserved_peak_bytes": int(torch.cuda.max_memory_reserved(device)),
+               "memory_current_bytes": int(torch.cuda.memory_allocated(device))}
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats(device)
+        return out
+    if device.type == "cpu":
+        current = current_rss_bytes()
+        # The kernel's high-water mark lags the RSS it is compared with by a few pages (per-CPU
+        # counters), and a peak is never below the current value by definition.
+        out = {"memory_peak_bytes": max(peak_memory_bytes(device), current), "memory_reserved_peak_bytes": None,
+               "memory_current_bytes": current}
+        if reset_peak:
+            reset_cpu_peak()
+        return out
+    raise ValueError(f"no memory statistics for device type {device.type!r}")

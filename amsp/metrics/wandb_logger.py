@@ -68,6 +68,15 @@ class WandbLogger:
         """The wandb run id to store in checkpoints (None when disabled or not rank 0)."""
         return self._run.id if self._run is not None else None
 
+    def update_config(self, entries: dict[str, Any]) -> None:
+        """Add entries known only after wandb.init (the chosen plan) to the run config, scrubbed like
+        the initial config. A resumed run may change them (another world size, another plan)."""
+        if self._run is None:
+            return
+        key = os.environ.get("WANDB_API_KEY")
+        self._run.config.update(scrub_secrets(entries, frozenset({key}) if key else frozenset()),
+                                allow_val_change=True)
+
     def log_metrics(self, record: dict[str, Any], step: int) -> None:
         """Numbers of `record` at `step`; plain keys go under train/ so panels group together,
         keys that already name a section ("val/loss") are kept as they are. None is dropped."""

@@ -49,17 +49,22 @@ def test_record_numbers_eta_and_jsonl(tmp_path):
     assert rec["comm_bytes_intra_node"] == 1000.0 and rec["comm_bytes_inter_node"] == 10.0
     assert rec["eta_s"] == pytest.approx(96 * 0.5)
     assert rec["skipped_steps"] == 1 and rec["slowest_rank"] == 0 and rec["tokens"] == 4000
-    assert rec["peak_memory_bytes"] > 0
+    # CPU memory: RSS now and the process's peak RSS (a process with torch loaded holds > 10 MiB).
+    assert rec["memory_kind"] == "cpu_rss" and rec["memory_reserved_peak_bytes"] is None
+    assert 10 * 2**20 < rec["memory_current_bytes"] <= rec["memory_peak_bytes"] and rec["memory_peak_rank"] == 0
     assert sink.got == [(4, rec)]
     line = m.console_line(rec)
-    for piece in ("step     4/100", "| loss 2.5000 |", "2000 tok/s", "MFU 20.0%", "comm wait 0.020",
-                  "skipped 1", "ETA 0:00:48"):
+    for piece in ("step     4/100", "| 4.00k tok |", "| loss 2.5000 |", "2000 tok/s", "MFU 20.0%",
+                  "comm wait 0.020", "| rss ", "skipped 1", "ETA 0:00:48"):
         assert piece in line, (piece, line)
     # A second interval without comm stats and with a diverged loss: appended, strict JSON, nulls.
     clock.t += 0.25  # time between intervals (the logging itself) counts against throughput
     clock.t += 1.0
     m.record_step({"step": 1.0})
-    rec2 = m.log(5, loss=float("nan"), lr=1e-3, grad_norm=float("inf"))
+    # tokens_seen (the loader's consumed samples x seq_len) wins over step x tokens_per_step: a run
+    # resumed with another batch size has seen other than 5 x 1000 tokens by step 5.
+    rec2 = m.log(5, loss=float("nan"), lr=1e-3, grad_norm=float("inf"), tokens_seen=123_456)
+    assert rec2["tokens"] == 123_456 and "| 123.46k tok |" in m.console_line(rec2)
     assert rec2["tokens_per_s"] == pytest.approx(1000.0 / 1.25)
     assert rec2["comm_bytes_intra_node"] is None and rec2["time_exposed_comm_s"] is None
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
@@ -94,6 +99,8 @@ def _two_rank_intervals(rank, world, run_dir):
     m = MetricsLogger(run_dir, rank=rank, world_size=world, total_steps=10, tokens_per_step=100,
                       flops_per_token=1.0, device=torch.device("cpu"), peak=None, clock=clock)
     out = []
+    # Rank 1 holds 256 MiB more (touched, so resident): the memory fields must name it.
+    ballast = torch.ones(64 * 2**20) if rank == 1 else None
     for slow_rank in (1, 0):
         for _ in range(2):
             # Both ranks take 1.0 s per step (collectives make the fast one wait); the slow one
@@ -104,6 +111,7 @@ def _two_rank_intervals(rank, world, run_dir):
             m.record_step({"data_wait": 0.1, "forward_backward": work - 0.1, "step": 1.0},
                           comm={"bytes_intra_node": 0, "bytes_inter_node": 0, "exposed_s": exposed})
         out.append(m.log(2 * len(out) + 2, loss=1.0, lr=1.0, grad_norm=1.0))
+    del ballast
     return out
 
 
@@ -116,4 +124,33 @@ def test_slowest_rank_is_named_across_ranks(tmp_path):
     assert first["step_time_max_rank_s"] == pytest.approx(1.0)
     assert math.isclose(first["rank_busy_max_over_median"], 0.9 / 0.6)
     assert "slowest rank 1 (busy 1.50x median)" in MetricsLogger.console_line(first)
+    assert first["memory_peak_rank"] == 1 and first["memory_current_bytes"] >= 256 * 2**20
+    assert "on rank 1" in MetricsLogger.console_line(first)
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.gpu
+def test_cuda_memory_is_the_allocator_peak_per_log_window(tmp_path):
+    dev = torch.device("cuda", 0)
+    clock = FakeClock()
+    m = make_logger(tmp_path, clock, device=dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev)
+    big = torch.empty(512 * 2**20, dtype=torch.uint8, device=dev)
+    clock.t += 1.0
+    m.record_step({"step": 1.0})
+    rec = m.log(1, loss=1.0, lr=1.0, grad_norm=1.0)
+    assert rec["memory_kind"] == "cuda_allocator"
+    assert rec["memory_peak_bytes"] >= base + 512 * 2**20
+    assert rec["memory_reserved_peak_bytes"] >= rec["memory_peak_bytes"]
+    assert rec["memory_current_bytes"] >= 512 * 2**20
+    assert "mem peak" in m.console_line(rec) and "reserved" in m.console_line(rec)
+    del big
+    # The peak restarts at each log step from what is allocated then: the window in which the 512 MiB
+    # were freed still shows them, the one after does not.
+    peaks = []
+    for step in (2, 3):
+        clock.t += 1.0
+        m.record_step({"step": 1.0})
+        peaks.append(m.log(step, loss=1.0, lr=1.0, grad_norm=1.0)["memory_peak_bytes"])
+    assert peaks[0] >= base + 512 * 2**20 and peaks[1] < peaks[0] - 256 * 2**20

@@ -1,13 +1,19 @@
-"""wandb logger in offline and disabled modes (no network), secret scrubbing, and the plot CLI."""
+"""wandb logger in offline and disabled modes (no network), secret scrubbing, the chosen plan in the
+run config read back from the offline files, and the plot CLI comparing runs."""
 import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
-from amsp.metrics.plot import main as plot_main
+from amsp.metrics.plan_config import PLANS_TABLE, log_plan, plan_summary
+from amsp.metrics.plot import build_figure, load_run, main as plot_main, run_labels
 from amsp.metrics.wandb_logger import WandbLogger, scrub_secrets
+from amsp.metrics.wandb_offline import read_offline_run
+from amsp.plan import make_plan
+from amsp.planner.report import COLUMNS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SECRET = "test-api-key-0123456789abcdef0123456789"
@@ -70,10 +76,10 @@ def test_disabled_and_non_zero_ranks_do_nothing(tmp_path):
 
 
 def test_plot_cli_writes_png(tmp_path):
-    recs = [{"step": s, "total_steps": 30, "world_size": 1, "loss": 5.0 - s / 10,
+    recs = [{"step": s, "total_steps": 30, "world_size": 1, "loss": 5.0 - s / 10, "tokens": 64 * s,
              "tokens_per_s": 1000.0 + s, "mfu": 0.1} for s in (10, 20)]
-    recs.append({"step": 20, "total_steps": 30, "world_size": 1, "loss": 3.0, "tokens_per_s": 900.0,
-                 "mfu": None})  # a resumed run re-logged step 20 without a known peak
+    recs.append({"step": 20, "total_steps": 30, "world_size": 1, "loss": 3.0, "tokens": 64 * 20,
+                 "tokens_per_s": 900.0, "mfu": None})  # a resumed run re-logged step 20 without a known peak
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     r = subprocess.run([sys.executable, "-m", "amsp.metrics.plot", str(tmp_path)], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
@@ -82,4 +88,100 @@ def test_plot_cli_writes_png(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert plot_main([str(empty)]) == 1
+    assert plot_main([str(empty)]) == 2
+
+
+def _write_run(run_dir, tokens_per_step, losses, mfu=0.1, memory=2**30, val=None):
+    run_dir.mkdir(parents=True)
+    recs = [{"step": 10 * (i + 1), "total_steps": 10 * len(losses), "world_size": 2, "loss": loss,
+             "tokens": 10 * (i + 1) * tokens_per_step, "tokens_per_s": 1000.0 * (i + 1), "mfu": mfu,
+             "memory_peak_bytes": memory, "step_time_s": 0.5} for i, loss in enumerate(losses)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    if val:
+        (run_dir / "validation.jsonl").write_text("".join(json.dumps({"step": s, "val_loss": v}) + "\n"
+                                                          for s, v in val))
+
+
+def test_plot_compares_runs_on_one_figure(tmp_path, capsys):
+    a, b = tmp_path / "sweep1" / "m", tmp_path / "sweep2" / "m"  # same run name, other sweeps
+    _write_run(a, 100, [5.0, 4.0, 3.5], val=[(15, 4.5), (30, 3.6)])
+    _write_run(b, 200, [5.5, 4.5], mfu=None, memory=3 * 2**30)
+    labels = run_labels([a, b])
+    assert labels == ["sweep1/m", "sweep2/m"]
+    fig = build_figure([load_run(a, labels[0]), load_run(b, labels[1])], x="tokens")
+    axes = {ax.get_ylabel(): ax for ax in fig.axes}
+    legend = fig.axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == labels
+    loss_lines = axes["training loss"].get_lines()
+    assert [ln.get_label() for ln in loss_lines] == labels
+    # Over tokens seen: run b's batch is twice run a's.
+    assert list(loss_lines[0].get_xdata()) == [1000, 2000, 3000] and list(loss_lines[1].get_xdata()) == [2000, 4000]
+    # Validation at step 15 (between two log steps) lies at the interpolated 1500 tokens; only run a has it.
+    (val_line,) = axes["validation loss"].get_lines()
+    assert val_line.get_label() == "sweep1/m" and list(val_line.get_xdata()) == [1500, 3000]
+    (mfu_line,) = axes["MFU (%)"].get_lines()  # run b knows no peak: no line, not a line of zeros
+    assert list(mfu_line.get_ydata()) == [10.0] * 3
+    mem = axes["peak memory per rank (GiB)"].get_lines()
+    assert [list(ln.get_ydata()) for ln in mem] == [[1.0] * 3, [3.0] * 2]
+    steps = build_figure([load_run(a)], x="step")
+    assert list(steps.axes[0].get_lines()[0].get_xdata()) == [10, 20, 30]
+
+    out = tmp_path / "cmp.png"
+    r = subprocess.run([sys.executable, "-m", "amsp.metrics.plot", str(a), str(b), "--out", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Several runs need --out; a directory without metrics.jsonl is named.
+    assert plot_main([str(a), str(b)]) == 2 and "--out" in capsys.readouterr().err
+    (tmp_path / "nothing").mkdir()
+    assert plot_main([str(a), str(tmp_path / "nothing"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "nothing/metrics.jsonl does not exist" in err and err.count("\n") == 1
+
+
+def _planned(plan, step_time_s=1.25, rows=2):
+    """A planner outcome (amsp/planner/startup.py PlanOutcome) whose rank-1 row is `plan`."""
+    def row(rank, p):
+        r = dict.fromkeys(COLUMNS, 0.0)
+        r.update(rank=rank, plan=str(p.blocks), name=p.name, blocks_p=p.blocks.p, blocks_g=p.blocks.g,
+                 blocks_os=p.blocks.os, mem_total_gib=3.5, step_time_s=step_time_s * rank, mfu=0.4 / rank)
+        return [r[c] for c in COLUMNS]
+    other = make_plan("ddp", 4, 2)
+    table = ("cluster cpu: 2 node(s) x 2 ranks, 8.0 GiB/device, peak 1 TFLOP/s (fp32), bandwidths from probe "
+             "(bus GB/s by per-rank chunk; inter = per node), hidden ...\n  intra ...")
+    return SimpleNamespace(plan=plan, table=table, columns=list(COLUMNS),
+                           rows=[row(1, plan)] + [row(i + 2, other) for i in range(rows - 1)])
+
+
+def test_chosen_plan_and_planner_table_in_offline_wandb_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    auto = make_plan("zero2", 4, 2)
+    by_hand = make_plan("zero3", 4, 2)
+    with pytest.raises(ValueError, match="not the plan the run uses"):
+        plan_summary(by_hand, "auto", _planned(auto))
+    w = WandbLogger(mode="offline", run_dir=tmp_path / "auto", config={"amsp": {"plan": "auto"}})
+    log_plan(w, auto, "auto", _planned(auto, rows=3))
+    w.finish()
+    run = read_offline_run(tmp_path / "auto", wait_finished_s=60)
+    assert run.finished
+    chosen = run.config["chosen_plan"]
+    assert chosen["chosen_by"] == "planner" and chosen["name"] == "zero2" and chosen["amsp_plan"] == "auto"
+    assert chosen["blocks"] == {"p": auto.blocks.p, "g": auto.blocks.g, "os": auto.blocks.os}
+    assert chosen["embed_head"] == {"p": auto.embed_head.p, "g": auto.embed_head.g, "os": auto.embed_head.os}
+    assert chosen["predicted"]["step_time_s"] == 1.25 and chosen["predicted"]["memory_gib_per_rank"] == 3.5
+    assert chosen["bandwidth_source"] == "probe" and chosen["cluster"].startswith("cluster cpu: 2 node(s)")
+    assert run.config["amsp"] == {"plan": "auto"}  # the initial config is still there
+    table = run.table(PLANS_TABLE)
+    assert table["columns"] == list(COLUMNS) and [r[0] for r in table["data"]] == [1, 2, 3]
+    # A plan named by hand: degrees in the config, no prediction, no table.
+    w = WandbLogger(mode="offline", run_dir=tmp_path / "hand", config={})
+    log_plan(w, by_hand, "zero3")
+    w.finish()
+    run = read_offline_run(tmp_path / "hand", wait_finished_s=60)
+    assert run.finished
+    chosen = run.config["chosen_plan"]
+    assert chosen["chosen_by"] == "config" and chosen["name"] == "zero3" and "predicted" not in chosen
+    assert chosen["blocks"] == {"p": by_hand.blocks.p, "g": by_hand.blocks.g, "os": by_hand.blocks.os}
+    assert run.tables == {}
+    with pytest.raises(KeyError, match="no table"):
+        run.table(PLANS_TABLE)

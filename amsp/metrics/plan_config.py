@@ -1,0 +1,59 @@
+"""The sharding plan a run trains with, as wandb run config and a wandb table.
+
+The config entry `chosen_plan` lets runs be filtered and grouped by plan in the wandb UI: how it was
+chosen, its p/g/os degrees per unit group and, when the partitioner chose it (amsp.plan=auto), what
+it predicted (step time, memory per rank, throughput, MFU) and which cluster figures it used (the
+preset's, or the bandwidth probe's). The partitioner's ranked alternatives go to the table
+`planner/plans` (columns: amsp/planner/report.py), rank 1 being the chosen plan.
+"""
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+from amsp.plan import UNIT_GROUPS, Plan
+
+if TYPE_CHECKING:
+    from amsp.planner.startup import PlanOutcome
+
+    from .wandb_logger import WandbLogger
+
+PLANS_TABLE = "planner/plans"
+# Chosen-plan columns of the planner's table copied into the config (name in the config: column).
+PREDICTED = {"step_time_s": "step_time_s", "memory_gib_per_rank": "mem_total_gib",
+             "tokens_per_s_per_gpu": "tokens_per_s_per_gpu", "mfu": "mfu", "exposed_comm_s": "exposed_s"}
+# cluster.describe()'s first line names the source of the bandwidth figures (planner/cluster.py).
+_BANDWIDTH_SOURCE = re.compile(r"bandwidths from ([\w-]+)")
+
+
+def plan_summary(plan: Plan, setting: str, planned: PlanOutcome | None = None) -> dict[str, Any]:
+    """The `chosen_plan` config entry. setting: amsp.plan as configured (auto, zero3, custom...)."""
+    out: dict[str, Any] = {
+        "name": plan.name, "label": str(plan), "amsp_plan": setting,
+        "chosen_by": "planner" if planned is not None else "config",
+        **{group: vars(plan.for_group(group)).copy() for group in UNIT_GROUPS},
+    }
+    if planned is None:
+        return out
+    cols, rows = list(planned.columns), planned.rows
+    if not rows or rows[0][cols.index("rank")] != 1:
+        raise ValueError(f"the planner's table does not start with the chosen plan (rank 1): {rows[:1]}")
+    chosen = dict(zip(cols, rows[0]))
+    if (chosen["blocks_p"], chosen["blocks_g"], chosen["blocks_os"]) != tuple(out["blocks"].values()):
+        raise ValueError(f"the planner's rank-1 row ({chosen['plan']}) is not the plan the run uses ({plan})")
+    out["predicted"] = {name: chosen[col] for name, col in PREDICTED.items()}
+    cluster_line = planned.table.splitlines()[0] if planned.table else ""
+    m = _BANDWIDTH_SOURCE.search(cluster_line)
+    out["cluster"] = cluster_line
+    out["bandwidth_source"] = m.group(1) if m else None
+    out["alternatives"] = len(rows)
+    return out
+
+
+def log_plan(sink: WandbLogger, plan: Plan, setting: str, planned: PlanOutcome | None = None) -> dict[str, Any]:
+    """Put the chosen plan in the run config and, when the partitioner ran, its ranked table."""
+    summary = plan_summary(plan, setting, planned)
+    sink.update_config({"chosen_plan": summary})
+    if planned is not None:
+        sink.log_table(PLANS_TABLE, planned.columns, planned.rows)
+    return summary
