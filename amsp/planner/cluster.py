@@ -1,4 +1,5 @@
-"""What the planner knows about the machines: shape, memory, peak FLOP/s and collective bandwidths.
+"""What the planner knows about the machines: shape, memory, peak FLOP/s, collective bandwidths and
+how much hidden communication slows compute.
 
 Bandwidths follow the NCCL-tests "bus bandwidth" convention, so one number per point describes a
 collective independently of the group size:
@@ -7,12 +8,26 @@ collective independently of the group size:
 Two scopes per collective kind:
   * intra: per-rank bus bandwidth of a collective whose group lies inside one node;
   * inter: bus bandwidth through one node's network interfaces (all NICs together), the resource
-    that every group crossing that node's boundary shares (DESIGN.md §3; see cost_model.py).
-Each scope holds (message bytes -> GB/s) points, interpolated linearly in log(message size) and
-clamped at the ends. A kind/scope without points uses the alpha-beta fallback's bandwidth, and
+    that every group crossing that node's boundary shares (DESIGN.md §3; see comm_time.py).
+
+Lookup convention (presets, the probe and the cost model agree on it): a curve's points are
+(per-rank chunk bytes -> GB/s), where the chunk is the message of one ring step, bytes / n for a
+collective of `bytes` (the convention above) over n ranks: the all_gather send count, the
+reduce_scatter receive count, 1/n of an all_reduce buffer. An NCCL-tests line of size S measured on
+a group of n ranks is the point (S / n, busbw) — a ring moves S / n per step whatever n is, so the
+small-message fall-off of a 2-node measurement is what a 1024-rank ring of a 400 MB block sees
+(400 KB steps). BandwidthCurve.from_totals converts measured (S, busbw) pairs. Points are
+interpolated linearly in log(chunk) and clamped at the ends; they are pure bandwidth: the cost model
+adds the per-step latencies (steps * alpha + bytes * factor / beta, the alpha-beta model with a
+size-dependent beta). A kind/scope without points uses the alpha-beta fallback's bandwidth, and
 that use is logged once, so a missing measurement never goes unnoticed. The latency of a scope is
-per ring step (the cost model multiplies it by the steps of the algorithm), so the two together are
-the alpha-beta model  time = steps * alpha + bytes * factor / beta.
+per ring step (NCCL's own tuning model, src/graph/tuning.cc, charges per-step hop latencies the same
+way).
+
+overlap_slowdown: compute seconds lost per second of communication hidden behind it (NCCL kernels
+take SMs and memory bandwidth from the GEMMs they overlap; gloo takes CPU cores). A property of the
+machine, so it lives in the preset; a startup measurement (amsp/planner/compute_profile.py) or an
+explicit amsp.planner.overlap_slowdown replaces it.
 """
 from __future__ import annotations
 
@@ -67,20 +82,32 @@ class BandwidthCurve:
             raise ValueError("a bandwidth curve needs at least one point")
         if any(bw <= 0 or size <= 0 for size, bw in self.points):
             raise ValueError(f"bandwidth points must be positive: {self.points}")
+        # the lookup runs for every priced collective (thousands of candidates at 16384 ranks)
+        object.__setattr__(self, "_sizes", tuple(size for size, _ in self.points))
+        object.__setattr__(self, "_logs", tuple(math.log(size) for size, _ in self.points))
 
     @classmethod
     def from_mapping(cls, m: Mapping) -> "BandwidthCurve":
+        """{per-rank chunk size: GB/s} as the cluster presets write them."""
         return cls(tuple(sorted((parse_size(k), float(v)) for k, v in m.items())))
 
+    @classmethod
+    def from_totals(cls, points, ranks: int) -> "BandwidthCurve":
+        """From (collective bytes, busbw) pairs measured on a group of `ranks` ranks (an NCCL-tests
+        table, a probe): each point moves to its per-rank chunk, bytes / ranks."""
+        if ranks < 1:
+            raise ValueError(f"a measured curve needs its group size, got {ranks} ranks")
+        return cls(tuple(sorted((max(1, int(s) // ranks), float(b)) for s, b in points)))
+
     def gbps(self, size: float) -> float:
-        sizes = [s for s, _ in self.points]
+        sizes = self._sizes
         if size <= sizes[0]:
             return self.points[0][1]
         if size >= sizes[-1]:
             return self.points[-1][1]
         i = bisect.bisect_right(sizes, size)
-        (s0, b0), (s1, b1) = self.points[i - 1], self.points[i]
-        w = (math.log(size) - math.log(s0)) / (math.log(s1) - math.log(s0))
+        b0, b1 = self.points[i - 1][1], self.points[i][1]
+        w = (math.log(size) - self._logs[i - 1]) / (self._logs[i] - self._logs[i - 1])
         return b0 + w * (b1 - b0)
 
 
@@ -102,6 +129,8 @@ class ClusterSpec:
     curves: Mapping[tuple[str, str], BandwidthCurve] = field(default_factory=dict)  # (kind, scope)
     fallback: Mapping[str, AlphaBeta] = field(default_factory=dict)  # scope -> alpha-beta
     source: str = "preset"  # preset | probe | cache: where the curves came from
+    overlap_slowdown: float = 0.1  # compute seconds lost per second of hidden communication
+
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.ranks_per_node < 1:
@@ -109,6 +138,9 @@ class ClusterSpec:
                              f"must be positive")
         if self.device_memory_bytes <= 0 or self.peak_flops <= 0:
             raise ValueError(f"cluster {self.name}: device memory and peak FLOP/s must be positive")
+        if not 0 <= self.overlap_slowdown <= 1:
+            raise ValueError(f"cluster {self.name}: overlap_slowdown={self.overlap_slowdown} must be in [0, 1] "
+                             f"(compute seconds lost per second of hidden communication)")
         for scope in SCOPES:
             if scope not in self.fallback and any((k, scope) not in self.curves for k in KINDS):
                 raise ValueError(f"cluster {self.name}: scope {scope!r} has neither bandwidth points for every "
@@ -121,25 +153,27 @@ class ClusterSpec:
     def with_shape(self, nodes: int, ranks_per_node: int) -> "ClusterSpec":
         return replace(self, nodes=nodes, ranks_per_node=ranks_per_node)
 
-    def collective_time(self, kind: str, scope: str, nbytes: float, factor: float) -> float:
-        """Seconds to move nbytes*factor at this scope's bus bandwidth for a message of nbytes
-        (bandwidth only: the cost model adds the per-step latencies)."""
-        if factor == 0:
-            return 0.0
+    def busbw_gbps(self, kind: str, scope: str, chunk_bytes: float) -> float:
+        """Bus bandwidth (GB/s) of `kind` at this scope for ring steps of chunk_bytes per rank."""
         curve = self.curves.get((kind, scope))
         if curve is not None:
-            return nbytes * factor / (curve.gbps(nbytes) * 1e9)
+            return curve.gbps(chunk_bytes)
         ab = self.fallback[scope]
         if (self.name, kind, scope) not in _warned:
             _warned.add((self.name, kind, scope))
             log.info("cluster %s: no %s bandwidth points for %s; using the alpha-beta bandwidth %.2f GB/s",
                      self.name, scope, kind, ab.gbps)
-        return nbytes * factor / (ab.gbps * 1e9)
+        return ab.gbps
+
+    def latency_s(self, scope: str) -> float:
+        """Seconds per ring step at this scope."""
+        return self.fallback[scope].latency_s
 
     def describe(self) -> str:
         lines = [f"cluster {self.name}: {self.nodes} node(s) x {self.ranks_per_node} ranks, "
                  f"{self.device_memory_bytes / 2**30:.1f} GiB/device, peak {self.peak_flops / 1e12:.4g} TFLOP/s "
-                 f"({self.dtype}), bandwidths from {self.source} (bus GB/s; inter = per node)"]
+                 f"({self.dtype}), bandwidths from {self.source} (bus GB/s by per-rank chunk; inter = per node), "
+                 f"hidden communication slows compute by {self.overlap_slowdown:.2f} s/s"]
         for scope in SCOPES:
             for kind in KINDS:
                 c = self.curves.get((kind, scope))
@@ -185,4 +219,4 @@ def cluster_from_config(c, nodes: int | None = None, ranks_per_node: int | None 
         name=d["name"], nodes=nodes or d["nodes"], ranks_per_node=ranks_per_node or d["ranks_per_node"],
         device_memory_bytes=int(d["device_memory_gib"] * 2**30), peak_flops=d["peak_tflops"] * 1e12,
         memory_bandwidth_gbs=d["memory_bandwidth_gbs"], dtype=d["dtype"], curves=curves, fallback=fallback,
-        source="preset" if curves else "alpha-beta")
+        source="preset" if curves else "alpha-beta", overlap_slowdown=d.get("overlap_slowdown", 0.1))

@@ -5,18 +5,20 @@ counts; tests/planner compare the byte totals for every plan). The group layouts
 analytically here, so pricing 16384 ranks never builds rank lists; tests check them against
 amsp.topology.
 
-Time of one collective call (kind, bytes per rank, group of n = k members on each of m nodes),
-with the bus-bandwidth factor f = (n-1)/n (x2 for all_reduce), R ranks per node:
-  m = 1: bytes*f / intra_busbw(bytes)
-  m > 1: max(intra part, inter part), inter = (R/k) * bytes*f / node_busbw(bytes)
-A ring over the group crosses each node boundary once per direction, so one group pushes bytes*f
-through a node's NICs whatever k is; the R/k groups of the same collective on that node run at once
-and share the NICs (DESIGN.md §3). So DDP's all_reduce of the full gradient (k = R, one group) and
-the all_reduce of 1/R shards among one rank per node (k = 1, R groups) load a node's NICs equally;
-what differs is the intra-node work and how often each runs. Latency: a ring all_gather /
-reduce_scatter takes n-1 steps, each paying the per-step latency of the slowest link it crosses;
-an all_reduce inside a node is a ring (2(n-1) steps), across nodes NCCL's tree (2(k-1) intra steps
-+ 2 ceil(log2 m) inter steps). The bandwidth curves are then read as pure bandwidth.
+Time of one collective call (kind, bytes per rank, group of n = k members on each of m nodes):
+comm_time.py. In short: ring (and, for all_reduce across nodes, NCCL's hierarchical tree when it is
+faster), the bandwidth curves read at the per-step chunk bytes/n (so a 1024-rank ring of a 400 MB
+block runs at the small-message end of the curve), n-1 ring steps of latency split into intra- and
+inter-node hops, and a node's NICs shared by the R/k groups of the collective that cross them at
+once (DESIGN.md §3): DDP's all_reduce of the full gradient (k = R, one group) and the all_reduce of
+1/R shards among one rank per node (k = 1, R groups) load a node's NICs equally; what differs is the
+intra-node work and how often each runs. One rank talks to nobody (no collective, no term); a
+single node has no inter-node term.
+
+Compute: F, B (one block's forward / backward of one micro-batch) and the head's and embedding's
+seconds come from a measured ComputeProfile (Options.compute; recompute=full adds one forward to B,
+selective the memory-bound re-run of the norms, rotary and SiLU it drops) or else from FLOPs at
+Options.mfu of the cluster's peak.
 
 Exposed time: the step is compute plus communication that compute cannot hide. Rules per unit, for
 M micro-batches (F, B: forward / backward compute of one block; B includes recomputation):
@@ -36,13 +38,19 @@ is a constant plus a sum of per-group terms: the ILP optimises exactly this func
 between a boundary unit's traffic and its neighbouring block's is ignored, the one approximation
 this buys).
 Hidden communication is not free: NCCL kernels take SMs and memory bandwidth from the compute they
-overlap (gloo takes CPU cores), so every hidden second slows compute by Options.overlap_slowdown
-seconds (default 0.1, the 5-15% slowdown of overlapped GEMMs reported for FSDP/Megatron overlap).
-This also makes plans that hide their traffic equally well differ by how much they move.
+overlap (gloo takes CPU cores), so every hidden second slows compute by overlap_slowdown seconds:
+Options.overlap_slowdown when given, else the compute profile's measurement, else the cluster
+preset's figure. This also makes plans that hide their traffic equally well differ by how much
+they move.
 
-Memory per rank: the model states (P, G, OS by their degrees), the OS-shard gradients held from the
-sync to the optimizer step (grad_sync), the largest set of simultaneously
-gathered units, activations, gradient buckets, and the parameter spread's window: at most
+Memory per rank is the peak over two phases, not the sum of every part: the model states (P, G, OS
+by their degrees) are held throughout; forward/backward adds the largest set of simultaneously
+gathered units, the activations and the gradient buckets; the optimizer step adds the OS-shard
+gradients held from the sync to the update (grad_sync), when the activations are gone; the
+parameter spread's window joins forward/backward when it overlaps the next forward
+(Options.overlap_spread), else the step (evaluate() books the overlap as a negative step_reuse). On top, an explicit
+reserve: Options.reserved_bytes for the runtime outside the allocator (CUDA context, kernels) plus
+Options.memory_margin times the tensor peak for the allocator's fragmentation. The spread window: at most
 Options.spread_window units (capped at the number of units) have a spread in flight, each holding a
 received S/p buffer in the compute dtype plus, when the master is a tensor of its own, its OS chunk
 cast to the compute dtype (fp32 weights are the master: no cast); units with os = p gather nothing
@@ -52,13 +60,14 @@ the clip scale is a scalar.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from amsp.plan import Degrees, Plan, UNIT_GROUPS, enumerate_degrees
 from amsp.schedule import Unit, padded_numel
 
-from .cluster import ClusterSpec, ring_factor
+from .cluster import ClusterSpec
+from .comm_time import collective_seconds
+from .compute_profile import ComputeProfile
 from .workload import Workload
 
 ADAM_BYTES_PER_ELEM = 28  # read grad+master+m+v, write master+m+v (fp32); plus the compute-weight write
@@ -70,18 +79,28 @@ STATE_PARTS = ("params", "grads", "optim", "grad_sync")
 @dataclass(frozen=True)
 class Options:
     mfu: float = 0.45
+    # allocator reserve: fragmentation of the caching allocator, as a fraction of the peak tensor bytes
+    # (PyTorch's CUDA allocator reserves ~5-10% over what it hands out; glibc's mmap'd blocks ~0)
     memory_margin: float = 0.08
-    reserved_bytes: int = 1 << 30
+    reserved_bytes: int = 1 << 30  # runtime outside the allocator: CUDA context, kernels, workspaces
     overlap_spread: bool = True
     spread_window: int = 2  # units whose parameter spread may be in flight at once (the engine's)
-    overlap_slowdown: float = 0.1  # compute seconds lost per second of hidden communication
+    # compute seconds lost per second of hidden communication; None: the compute profile's
+    # measurement, else the cluster preset's figure
+    overlap_slowdown: float | None = None
+    compute: ComputeProfile | None = None  # measured compute; None: FLOPs at `mfu` of the peak
+    # "unit": one collective per flat unit and phase (this engine); "tensor": one per parameter tensor
+    # (DeepSpeed ZeRO-3's per-submodule fetch), a what-if for comparing with published systems
+    granularity: str = "unit"
 
     def __post_init__(self) -> None:
         if not 0 < self.mfu <= 1:
             raise ValueError(f"assumed MFU must be in (0, 1], got {self.mfu}")
         if not 0 <= self.memory_margin < 1:
             raise ValueError(f"memory margin must be in [0, 1), got {self.memory_margin}")
-        if not 0 <= self.overlap_slowdown <= 1:
+        if self.granularity not in ("unit", "tensor"):
+            raise ValueError(f"collective granularity {self.granularity!r} is not 'unit' or 'tensor'")
+        if self.overlap_slowdown is not None and not 0 <= self.overlap_slowdown <= 1:
             raise ValueError(f"overlap slowdown must be in [0, 1], got {self.overlap_slowdown}")
         if self.spread_window < 1:
             raise ValueError(f"amsp.spread_window={self.spread_window} must be >= 1 (units whose parameter "
@@ -156,8 +175,9 @@ class GroupCost:
     state_bytes: int
     gathered_bytes: dict  # role -> bytes of one gathered unit (0 when p = 1)
     spread_bytes: dict  # role -> bytes one unit's in-flight parameter spread holds (0 when os = p)
-    parts: dict = field(default_factory=dict)  # params / grads / optim bytes
+    parts: dict = field(default_factory=dict)  # params / grads / optim / grad_sync bytes
     exposed_by_phase: dict = field(default_factory=dict)
+    sync_bytes: int = 0  # grad_sync: held at the optimizer step only (not in state_bytes)
 
 
 class CostModel:
@@ -174,10 +194,10 @@ class CostModel:
         if self.dp_world % self.dp_per_node:
             raise ValueError(f"data-parallel world {self.dp_world} is not a whole number of nodes of "
                              f"{self.dp_per_node} data-parallel ranks")
-        self.rate = cluster.peak_flops * options.mfu
-        self.F = workload.block_forward_flops() / self.rate
-        self.B = workload.block_backward_flops() / self.rate
-        self.head_F = workload.head_forward_flops() / self.rate
+        self._set_compute(options.compute)
+        self.overlap_slowdown = next(v for v in (options.overlap_slowdown,
+                                                 options.compute and options.compute.overlap_slowdown,
+                                                 cluster.overlap_slowdown) if v is not None)
         self._pb = workload.precision.param_bytes
         self._optim_b = workload.precision.optim_bytes
         self._master_is_weights = workload.precision.master_is_weights
@@ -186,13 +206,41 @@ class CostModel:
         # More than every unit cannot be in flight.
         self.spread_window = min(options.spread_window, len(workload.units()))
         self._cache: dict = {}
+        self._seconds: dict = {}  # (kind, bytes, n, k, m, shares) -> seconds of one call
 
     # ---- candidates and constants ----
     def candidates(self) -> list[Degrees]:
         return enumerate_degrees(self.dp_world, self.dp_per_node)
 
+    def _set_compute(self, prof: ComputeProfile | None) -> None:
+        """F, B of one block and the head + embedding seconds of one micro-batch (B with recomputation)."""
+        w = self.w
+        if prof is None:
+            rate = self.c.peak_flops * self.o.mfu
+            self.F = w.block_forward_flops() / rate
+            self.B = w.block_backward_flops() / rate  # includes full recomputation's extra forward
+            self.edge_s = 3 * w.head_forward_flops() / rate  # embedding: no matmul FLOPs
+            self.compute_source = f"FLOPs at {self.o.mfu:.0%} MFU of the {self.c.name} peak"
+        else:
+            for name in ("block_forward_s", "block_backward_s", "head_forward_backward_s", "embedding_s"):
+                if not getattr(prof, name) >= 0:
+                    raise ValueError(f"compute profile ({prof.source}): {name}={getattr(prof, name)} must be >= 0")
+            self.F = prof.block_forward_s
+            self.B = prof.block_backward_s + (prof.block_forward_s if w.recompute == "full" else 0.0)
+            self.edge_s = prof.head_forward_backward_s + prof.embedding_s
+            self.compute_source = prof.source
+        if w.recompute == "selective":
+            self.B += self.selective_recompute_s()
+
+    def selective_recompute_s(self) -> float:
+        """Selective recomputation re-runs the memory-bound ops whose outputs it does not keep (norms,
+        rotary, SiLU): about the dropped activation bytes read and written once more."""
+        w = self.w
+        dropped = w.layer_activation_bytes("none") - w.layer_activation_bytes("selective")
+        return 2 * max(0.0, dropped) / (self.c.memory_bandwidth_gbs * 1e9)
+
     def compute_s(self) -> float:
-        per_mb = self.w.layers * (self.F + self.B) + 3 * self.head_F
+        per_mb = self.w.layers * (self.F + self.B) + self.edge_s
         return per_mb * self.w.micro_batches * (1 + self.w.pipeline_bubble())
 
     def grad_norm(self) -> list[Priced]:
@@ -205,7 +253,13 @@ class CostModel:
         return self.compute_s() + sum(x.seconds * x.count for x in self.grad_norm())
 
     def memory_budget(self) -> float:
-        return self.c.device_memory_bytes * (1 - self.o.memory_margin) - self.o.reserved_bytes
+        """Tensor bytes a rank may peak at: the device less the runtime's reserve, less the allocator's
+        reserve on top of the tensors (tensors * (1 + margin) + runtime <= device)."""
+        return (self.c.device_memory_bytes - self.o.reserved_bytes) / (1 + self.o.memory_margin)
+
+    def reserve_bytes(self, tensor_peak: float) -> float:
+        """The explicit reserve a plan's tensor peak needs on top: runtime plus allocator fragmentation."""
+        return self.o.reserved_bytes + self.o.memory_margin * tensor_peak
 
     def buffer_pairs(self) -> list[tuple[str, ...]]:
         """Unit roles gathered at the same time (current + prefetched next, in forward order). A tied
@@ -223,27 +277,30 @@ class CostModel:
         return {"activations": self.w.activation_bytes(), "buckets": self.grad_buffer_bytes()}
 
     # ---- pricing ----
-    def price(self, phase, kind, unit, n, k, m, nbytes, count) -> Priced:
-        """One collective call of `kind` moving nbytes per rank over n ranks, k on each of m nodes."""
-        f = ring_factor(kind, n)
-        lat_intra, lat_inter = self.c.fallback["intra"].latency_s, self.c.fallback["inter"].latency_s
-        if m == 1:
-            steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
-            t = steps * lat_intra + self.c.collective_time(kind, "intra", nbytes, f)
-        else:
-            if kind == "all_reduce":
-                lat = 2 * (k - 1) * lat_intra + 2 * math.ceil(math.log2(m)) * lat_inter
-            else:
-                lat = (n - 1) * lat_inter
-            conc = self.c.ranks_per_node / k  # every group of this collective on a node shares its NICs
-            t_inter = self.c.collective_time(kind, "inter", nbytes, f * conc)
-            t_intra = self.c.collective_time(kind, "intra", nbytes, ring_factor(kind, k)) if k > 1 else 0.0
-            t = lat + max(t_inter, t_intra)
+    def price(self, phase, kind, unit, n, k, m, nbytes, count, shares=(1.0,)) -> Priced:
+        """One collective call of `kind` moving nbytes per rank over n ranks, k on each of m nodes
+        (issued as one collective per share of the bytes under Options.granularity='tensor')."""
+        key = (kind, nbytes, n, k, m, shares)  # many triples share a group shape: price each once
+        t = self._seconds.get(key)
+        if t is None:
+            t = self._seconds[key] = sum(collective_seconds(self.c, kind, nbytes * f, n, k, m) for f in shares)
         return Priced(phase, kind, unit, n, k, m, nbytes, count, t)
 
-    def unit_collectives(self, unit: Unit, deg: Degrees) -> list[Priced]:
+    def tensor_shares(self, role: str) -> tuple[float, ...]:
+        """Each parameter tensor's share of a unit (granularity='tensor'); (1.0,) for one flat unit."""
+        if self.o.granularity == "unit":
+            return (1.0,)
+        m = self.w.model
+        q, kv, ffn = m.dim * m.n_heads * m.head_dim, m.dim * m.n_kv_heads * m.head_dim, m.dim * m.ffn_hidden_dim
+        head = [m.dim] + ([] if m.tie_embeddings else [m.vocab_size * m.dim])
+        sizes = {"block": [q, q, kv, kv, ffn, ffn, ffn, m.dim, m.dim], "head": head,
+                 "embedding": [m.vocab_size * m.dim] + (head if m.tie_embeddings else [])}[role]
+        return tuple(x / sum(sizes) for x in sizes)
+
+    def unit_collectives(self, unit: Unit, deg: Degrees, role: str = "block") -> list[Priced]:
         """amsp.schedule.unit_collectives for this unit, priced."""
         s = padded_numel(unit.numel, deg)
+        shares = self.tensor_shares(role)
         out = []
         for phase, kind, key, div, dt, per_mb in _PHASE_SPEC:
             n, k, m = layout(key, deg, self.dp_per_node, self.dp_world)
@@ -251,14 +308,14 @@ class CostModel:
                 elems = s // (1 if div == "1" else getattr(deg, div))
                 nbytes = elems * (self._pb if dt == "p" else self._gb)
                 out.append(self.price(phase, kind, unit.name, n, k, m, nbytes,
-                                       self.w.micro_batches if per_mb else 1))
+                                       self.w.micro_batches if per_mb else 1, shares))
         return out
 
     def _role_collectives(self, role: str, deg: Degrees) -> dict:
         key = (role, deg)
         if key not in self._cache:
             unit = Unit(role, "blocks" if role == "block" else "embed_head", self._numel[role])
-            self._cache[key] = {x.phase: x for x in self.unit_collectives(unit, deg)}
+            self._cache[key] = {x.phase: x for x in self.unit_collectives(unit, deg, role)}
         return self._cache[key]
 
     # ---- exposure ----
@@ -297,7 +354,7 @@ class CostModel:
         exposed = {"forward": fwd_total, "backward": (m - 1) * bwd(0.0) + bwd_last, "spread": spread_exposed}
         raw = sum(x.seconds * x.count for x in cs.values())
         hidden = max(0.0, raw - sum(exposed.values()))
-        return {**exposed, "contention": self.o.overlap_slowdown * hidden, "optimizer": opt}
+        return {**exposed, "contention": self.overlap_slowdown * hidden, "optimizer": opt}
 
     # ---- per-group terms (what the ILP combines) ----
     def roles_of(self, group: str) -> list[tuple[str, int]]:
@@ -345,7 +402,8 @@ class CostModel:
                 parts[part] += count * b
             gathered[role] = self.gathered_bytes(role, deg)
             spread[role] = self.spread_bytes(role, deg)
-        return GroupCost(exposed, comm, sum(parts.values()), gathered, spread, parts, by_phase)
+        resident = sum(v for k, v in parts.items() if k != "grad_sync")
+        return GroupCost(exposed, comm, resident, gathered, spread, parts, by_phase, parts["grad_sync"])
 
     def peak_gathered(self, gathered: dict) -> int:
         """Largest pair of simultaneously gathered units (role -> bytes of one gathered unit)."""
@@ -362,7 +420,7 @@ class CostModel:
         spread = 0
         for unit, role in self.w.unit_roles():
             deg = plan.for_group(unit.group)
-            collectives += self.unit_collectives(unit, deg)
+            collectives += self.unit_collectives(unit, deg, role)
             for ph, sec in self.unit_exposure(role, deg).items():
                 exposed[ph] = exposed.get(ph, 0.0) + sec
             for part, b in self.state_parts(role, deg).items():
@@ -374,7 +432,14 @@ class CostModel:
         memory["gathered"] = self.peak_gathered(gathered)
         memory["spread"] = self.spread_window * spread
         memory.update(self.constant_memory())
-        memory["reserved"] = self.o.reserved_bytes + self.c.device_memory_bytes * self.o.memory_margin
+        # The peak is the larger of two phases, not the sum of everything: forward/backward holds the
+        # activations, gathered units and gradient buckets; the optimizer step holds the OS-shard
+        # gradients (grad_sync) after they are freed. step_reuse (<= 0) books that reuse.
+        # The spread's buffers are in flight in the next forward when it overlaps it, else after the update.
+        spread_fb, spread_step = (memory["spread"], 0) if self.o.overlap_spread else (0, memory["spread"])
+        transients = memory["gathered"] + memory["activations"] + memory["buckets"] + spread_fb
+        memory["step_reuse"] = -min(transients, memory["grad_sync"] + spread_step)
+        memory["reserved"] = self.reserve_bytes(sum(memory.values()))
         exposed["grad_norm"] = sum(x.seconds * x.count for x in self.grad_norm())
         return PlanCost(plan=plan, compute_s=self.compute_s(), exposed_s=exposed, memory=memory,
                         collectives=collectives, device_memory=self.c.device_memory_bytes,

@@ -32,8 +32,12 @@ def grid(t: GroupTerms) -> tuple[np.ndarray, np.ndarray]:
     for role in t.spread:
         term = _role_axis(t, role, t.spread)
         spread = term if spread is None else np.maximum(spread, term)
-    memory = (t.constant_bytes + t.state_bytes[0][:, None] + t.state_bytes[1][None, :] + gathered
-              + t.spread_window * spread)
+    # the larger phase: forward/backward transients or the optimizer step's OS-shard gradients
+    step = t.sync_bytes[0][:, None] + t.sync_bytes[1][None, :]
+    spread = t.spread_window * spread  # in the phase where the spread is in flight
+    fb = t.constant_bytes + gathered + (spread if t.spread_in_forward else 0)
+    memory = t.state_bytes[0][:, None] + t.state_bytes[1][None, :] + np.maximum(
+        fb, step + (0 if t.spread_in_forward else spread))
     return time, memory
 
 

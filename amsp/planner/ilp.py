@@ -5,8 +5,11 @@ Variables: x[g, c] binary, one per unit group g (blocks, embed_head) and valid t
 with sum_c x[g, c] = 1; a continuous z >= the bytes of every pair of simultaneously gathered units
 (current + prefetched next), which linearises that max exactly, and a continuous y >= every role's
 in-flight spread bytes (the largest unit's spread, times the window W).
-Memory (one constraint per rank; every rank holds the same shards):
-    sum_{g,c} x[g,c] * state_bytes[g,c] + z + W * y + activations + buckets <= budget
+Memory (every rank holds the same shards), the peak of two phases, each within the budget:
+    forward/backward: sum_{g,c} x[g,c] * state_bytes[g,c] + z + activations + buckets [+ W * y] <= budget
+    optimizer step:   sum_{g,c} x[g,c] * (state_bytes[g,c] + sync_bytes[g,c]) [+ W * y] <= budget
+with the spread window W * y in the forward/backward phase when the spread overlaps the next
+forward, else in the step's.
 Objective: the cost model's step time, constant + sum_{g,c} x[g,c] * exposed_s[g,c]. The cost model
 makes exposure a sum of per-unit terms on fixed compute windows (cost_model.py), so this linear
 objective IS the predicted step time and the exhaustive search optimises the same function.
@@ -60,8 +63,11 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
         prob += z >= pulp.lpSum(role_expr(r, t.gathered) for r in pair), f"gathered_set_{n}"
     for role in t.spread:
         prob += y >= role_expr(role, t.spread), f"spread_{role}"
-    prob += (pulp.lpSum(x[k] * (t.state_bytes[k] / GIB) for k in x) + z + t.spread_window * y <= budget,
+    fwd_spread, step_spread = (t.spread_window * y, 0) if t.spread_in_forward else (0, t.spread_window * y)
+    prob += (pulp.lpSum(x[k] * (t.state_bytes[k] / GIB) for k in x) + z + fwd_spread <= budget,
              "memory_per_rank")
+    prob += (pulp.lpSum(x[k] * ((t.state_bytes[k] + t.sync_bytes[k]) / GIB) for k in x) + step_spread
+             <= t.budget_bytes / GIB, "memory_at_step")
     prob += pulp.lpSum(x[k] * (t.exposed_s[k] * 1e3) for k in x)
     with warnings.catch_warnings():
         # PuLP 3.3 deprecates PULP_CBC_CMD in favour of a separately installed CBC (pulp[cbc]); the
@@ -85,6 +91,8 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
     step = t.constant_s + t.exposed_s[0, i] + t.exposed_s[1, j]
     gathered = max(sum(t.gathered[r][chosen[t.role_group[r]]] for r in pair) for pair in t.pairs)
     spread = t.spread_window * max(t.spread[r][chosen[t.role_group[r]]] for r in t.spread)
-    memory = t.constant_bytes + t.state_bytes[0, i] + t.state_bytes[1, j] + gathered + spread
+    fwd_spread, step_spread = (spread, 0) if t.spread_in_forward else (0, spread)
+    memory = (t.state_bytes[0, i] + t.state_bytes[1, j]
+              + max(t.constant_bytes + gathered + fwd_spread, t.sync_bytes[0, i] + t.sync_bytes[1, j] + step_spread))
     plan = Plan(blocks=t.candidates[i], embed_head=t.candidates[j], name="auto")
     return Choice(plan, float(step), float(memory)), elapsed

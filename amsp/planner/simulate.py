@@ -1,12 +1,14 @@
 """What-if across scales: predicted step time, tokens/s per GPU and MFU of the named presets and of
-the planner's choice, for one model and cluster type at several GPU counts (same global batch)."""
+the planner's choice, for one model and cluster type at several GPU counts (same global batch), each
+with the term that decides it (report.why): the largest exposed communication, or memory when a
+faster plan does not fit."""
 from __future__ import annotations
 
 from amsp.plan import PRESET_NAMES, PlanError, make_plan
 
 from .cluster import ClusterSpec
 from .cost_model import CostModel, Options
-from .report import GIB, NoFeasiblePlan, plan_label
+from .report import GIB, NoFeasiblePlan, plan_label, why
 from .solve import plan_cluster
 from .workload import Workload
 
@@ -32,15 +34,23 @@ def simulate(workload_at, cluster: ClusterSpec, options: Options, gpus=DEFAULT_G
             rows.append({**base, "plan": "-", "note": str(e)})
             continue
         model = CostModel(w, spec, options)
+        presets = []
         for name in PRESET_NAMES:
             try:
                 plan = make_plan(name, model.dp_world, model.dp_per_node)
             except PlanError:
                 continue
-            rows.append({**base, **_row(model.evaluate(plan), w)})
+            presets.append(model.evaluate(plan))
+            rows.append({**base, **_row(presets[-1], w)})
         try:
             res = plan_cluster(w, spec, options, top_k=1, with_presets=False)
-            rows.append({**base, **_row(res.chosen, w)})
+            row = _row(res.chosen, w)
+            faster = [c for c in presets if not c.fits and c.step_time_s < res.chosen.step_time_s]
+            if faster:  # memory decided: a faster plan exists but does not fit
+                c = min(faster, key=lambda c: c.step_time_s)
+                row["why"] = (f"memory: {c.plan.name} {res.chosen.step_time_s / c.step_time_s - 1:.0%} faster "
+                              f"needs {c.memory_total / GIB:.0f} GiB; then {row['why']}")
+            rows.append({**base, **row})
         except NoFeasiblePlan as e:
             rows.append({**base, "plan": "auto", "note": f"no plan fits (smallest {e.smallest.memory_total / GIB:.1f} "
                                                          f"GiB)"})
@@ -52,12 +62,12 @@ def _row(cost, w: Workload) -> dict:
     return {"plan": cost.plan.name, "degrees": plan_label(cost.plan), "step_s": cost.step_time_s,
             "tokens_per_s_per_gpu": cost.tokens_per_s_per_gpu, "mfu": cost.mfu,
             "memory_gib": cost.memory_total / GIB, "fits": cost.fits,
-            "note": "" if cost.fits else "does not fit"}
+            "note": "" if cost.fits else "does not fit", "why": why(cost)}
 
 
 def format_simulation(rows: list[dict]) -> str:
     head = (f"{'GPUs':>5} {'plan':<6} {'p/g/os (blocks | emb+head)':<30} {'step s':>8} {'tok/s/GPU':>10} "
-            f"{'MFU':>6} {'GiB/rank':>9}  note")
+            f"{'MFU':>6} {'GiB/rank':>9}  why")
     lines = [head, "-" * len(head)]
     last = None
     for r in rows:
@@ -68,5 +78,5 @@ def format_simulation(rows: list[dict]) -> str:
             lines.append(f"{r['gpus']:>5} {r['plan']:<6} {'':<30} {'':>8} {'':>10} {'':>6} {'':>9}  {r['note']}")
             continue
         lines.append(f"{r['gpus']:>5} {r['plan']:<6} {r['degrees']:<30} {r['step_s']:8.3f} "
-                     f"{r['tokens_per_s_per_gpu']:10.0f} {r['mfu']:6.1%} {r['memory_gib']:9.1f}  {r['note']}")
+                     f"{r['tokens_per_s_per_gpu']:10.0f} {r['mfu']:6.1%} {r['memory_gib']:9.1f}  {r['why']}")
     return "\n".join(lines)

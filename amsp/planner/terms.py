@@ -3,8 +3,9 @@
 For each unit group and each valid degree triple: exposed seconds, model-state bytes and the bytes
 of one gathered unit per role and of one unit's in-flight parameter spread per role. The step time of
 a plan is `constant_s` plus the two groups' exposed seconds; its memory is the two groups' state
-bytes, the largest simultaneously gathered pair of units, the spread window (spread_window times the
-largest unit's spread transient) and the degree-independent parts (activations, gradient buckets).
+bytes, the spread window (spread_window times the largest unit's spread transient) and the larger
+of two phases: forward/backward (the largest simultaneously gathered pair of units and the
+degree-independent activations and gradient buckets) or the optimizer step (the OS-shard gradients).
 """
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ from .cost_model import CostModel
 class GroupTerms:
     candidates: list[Degrees]
     exposed_s: np.ndarray  # [group index, candidate]
-    state_bytes: np.ndarray  # [group index, candidate]
+    state_bytes: np.ndarray  # [group index, candidate]: params, grads, optimizer states (always held)
+    sync_bytes: np.ndarray  # [group index, candidate]: OS-shard gradients held at the optimizer step only
     gathered: dict  # role -> np.ndarray over candidates (bytes of one gathered unit of that role)
     spread: dict  # role -> np.ndarray over candidates (bytes of one unit's in-flight spread)
     spread_window: int  # units whose spread may be in flight at once
+    spread_in_forward: bool  # the spread overlaps the next forward (else it follows the update)
     role_group: dict  # role -> group index
     pairs: list  # tuples of roles gathered together
     constant_s: float
@@ -36,17 +39,18 @@ class GroupTerms:
         cands = model.candidates()
         exposed = np.zeros((len(UNIT_GROUPS), len(cands)))
         state = np.zeros((len(UNIT_GROUPS), len(cands)))
+        sync = np.zeros((len(UNIT_GROUPS), len(cands)))
         gathered: dict = {}
         spread: dict = {}
         role_group: dict = {}
         for gi, group in enumerate(UNIT_GROUPS):
             for ci, d in enumerate(cands):
                 gc = model.group_cost(group, d)
-                exposed[gi, ci], state[gi, ci] = gc.exposed_s, gc.state_bytes
+                exposed[gi, ci], state[gi, ci], sync[gi, ci] = gc.exposed_s, gc.state_bytes, gc.sync_bytes
                 for role, b in gc.gathered_bytes.items():
                     gathered.setdefault(role, np.zeros(len(cands)))[ci] = b
                     role_group[role] = gi
                 for role, b in gc.spread_bytes.items():
                     spread.setdefault(role, np.zeros(len(cands)))[ci] = b
-        return cls(cands, exposed, state, gathered, spread, model.spread_window, role_group, model.buffer_pairs(),
+        return cls(cands, exposed, state, sync, gathered, spread, model.spread_window, model.o.overlap_spread, role_group, model.buffer_pairs(),
                    model.constant_time_s(), sum(model.constant_memory().values()), model.memory_budget())
