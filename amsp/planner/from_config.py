@@ -5,11 +5,14 @@ import logging
 import os
 from omegaconf import DictConfig, OmegaConf
 
+from amsp.batch_geometry import batch_geometry
 from amsp.schedule import Precision
 from configs.schema import PlannerConfig, to_llama_config
 
 from .cluster import ClusterSpec, cluster_from_config
+from .compute_profile import ComputeProfile
 from .cost_model import Options
+from .device_preset import recognise
 from .workload import Workload
 
 log = logging.getLogger(__name__)
@@ -21,31 +24,19 @@ def planner_config(cfg: DictConfig) -> DictConfig:
     return node if node is not None else OmegaConf.structured(PlannerConfig)
 
 
-def options_from_config(cfg: DictConfig) -> Options:
+def options_from_config(cfg: DictConfig, compute: ComputeProfile | None = None) -> Options:
+    """The cost model's options; `compute`: a measured (or loaded) profile in place of FLOPs at mfu."""
     p = planner_config(cfg)
     spread = OmegaConf.select(cfg, "amsp.overlap_spread")  # the engine's switches
     window = OmegaConf.select(cfg, "amsp.spread_window", default=Options.spread_window)
     return Options(mfu=p.mfu, memory_margin=p.memory_margin, reserved_bytes=int(p.reserved_gib * 2**30),
-                   overlap_spread=bool(spread), spread_window=int(window), overlap_slowdown=p.overlap_slowdown)
-
-
-def global_batch_samples(cfg: DictConfig) -> int:
-    """Samples per optimizer step: trainer.global_batch_tokens / data.seq_len when set (as train.py)."""
-    t = cfg.trainer
-    if t.global_batch_tokens:
-        if t.global_batch_tokens % cfg.data.seq_len:
-            raise ValueError(f"trainer.global_batch_tokens={t.global_batch_tokens} is not a multiple of "
-                             f"data.seq_len={cfg.data.seq_len}")
-        return t.global_batch_tokens // cfg.data.seq_len
-    return t.global_batch_size
+                   overlap_spread=bool(spread), spread_window=int(window), overlap_slowdown=p.overlap_slowdown,
+                   compute=compute)
 
 
 def micro_batches(cfg: DictConfig, dp_world: int) -> int:
-    gbs, mbs = global_batch_samples(cfg), cfg.trainer.micro_batch_size
-    if gbs % (mbs * dp_world):
-        raise ValueError(f"global batch {gbs} samples is not divisible by micro_batch_size={mbs} x "
-                         f"data-parallel ranks={dp_world}")
-    return gbs // (mbs * dp_world)
+    # The same (possibly rounded) batch train.py takes; train.py logs the rounding, not the planner.
+    return batch_geometry(cfg, dp_world, announce=False).accumulation
 
 
 def precision_name(cfg: DictConfig, cluster: ClusterSpec) -> str:
@@ -119,8 +110,14 @@ def resolve_measured_fields(c: DictConfig, local_ranks: int, dtype_name: str, de
 
 def cluster_spec(cfg: DictConfig, nodes: int | None = None, ranks_per_node: int | None = None,
                  local_ranks: int | None = None, device=None) -> ClusterSpec:
-    """The ClusterSpec for this config; nodes / ranks_per_node from the launcher when given."""
+    """The ClusterSpec for this config; nodes / ranks_per_node from the launcher when given. On a
+    CUDA device with the default cpu preset, the device's own preset (device_preset.py)."""
     c = cfg.cluster
+    if device is not None and str(device).startswith("cuda"):
+        import torch
+
+        c = recognise(c, torch.cuda.get_device_name(device),
+                      torch.cuda.get_device_properties(device).total_memory / 2**30)
     if c.device_memory_gib is None or c.peak_tflops is None:
         import torch
 

@@ -33,6 +33,11 @@ class PlanCost:
         return sum(self.exposed_s.values())
 
     @property
+    def exposed_comm_s(self) -> float:
+        """Exposed seconds caused by communication (the optimizer step is memory-bound compute)."""
+        return sum(s for ph, s in self.exposed_s.items() if ph != "optimizer")
+
+    @property
     def memory_total(self) -> float:
         return sum(self.memory.values())
 
@@ -64,6 +69,33 @@ class PlanCost:
 
     def inter_node_bytes(self) -> int:
         return sum(x.bytes * x.count for x in self.collectives if x.crosses_nodes)
+
+
+# What each exposed-time phase of cost_model.unit_exposure is, for the "why" of a plan.
+_PHASES_OF = {"forward": ("forward", "spread"), "backward": ("backward", "grad", "grad_to_os", "grad_replica"),
+              "spread": ("spread",), "grad_norm": ("grad_norm",)}
+_NAMES = {"forward": "fwd gather (+spread)", "backward": "bwd gather+reduce", "spread": "param spread",
+          "grad_norm": "grad-norm all_reduce", "contention": "overlap slowdown", "optimizer": "optimizer step"}
+
+
+def why(c: PlanCost) -> str:
+    """The term that decides the plan's time beyond compute, compactly: 'inter-node bwd gather+reduce
+    exposed 0.267 s (16%)', 'overlap slowdown (inter-node comm hidden) 0.08 s (5%)', or memory when
+    the plan does not fit."""
+    if not c.fits:
+        return f"memory {c.memory_total / GIB:.1f} > {c.device_memory / GIB:.0f} GiB"
+    terms = {ph: sec for ph, sec in c.exposed_s.items() if sec > 0}
+    if not terms:
+        return "compute only"
+    ph, sec = max(terms.items(), key=lambda kv: kv[1])
+    share = f"{sec:.3g} s ({sec / c.step_time_s:.0%})"
+    if ph == "contention":  # compute slowed by the communication it hides
+        scope = "inter-node" if any(x.crosses_nodes for x in c.collectives) else "intra-node"
+        return f"{_NAMES[ph]} ({scope} comm hidden) {share}"
+    if ph in _PHASES_OF:
+        scope = "inter-node" if any(x.crosses_nodes for x in c.collectives if x.phase in _PHASES_OF[ph]) else "intra-node"
+        return f"{scope} {_NAMES[ph]} exposed {share}"
+    return f"{_NAMES.get(ph, ph)} {share}"
 
 
 def plan_label(plan: Plan) -> str:
@@ -102,7 +134,7 @@ def format_table(costs: list[PlanCost], header: str = "") -> str:
     head = (f"{'#':>3} {'plan p/g/os (blocks | emb+head)':<34} {'name':<8}"
             f"{'P':>7} {'G':>7} {'OS':>7} {'act':>7} {'buf':>7} {'total':>8} |"
             f"{'AG':>8} {'RS':>8} {'g->os':>7} {'repl':>7} {'spread':>7} {'inter':>8} |"
-            f"{'comm s':>8} {'exposed':>8} {'step s':>8} {'tok/s/gpu':>10} {'MFU':>6}")
+            f"{'comm s':>8} {'exposed':>8} {'step s':>8} {'tok/s/gpu':>10} {'MFU':>6}  why")
     unit = (f"{'':>3} {'':<34} {'':<8}{f'memory per rank, {mu}':^50}|"
             f"{f'communication per rank per step, {cu}':^51}|{'predicted':^44}")
     lines = ([header] if header else []) + [unit, head, "-" * len(head)]
@@ -113,7 +145,7 @@ def format_table(costs: list[PlanCost], header: str = "") -> str:
         lines.append(f"{r[0]:>3} {r[1]:<34} {r[2]:<8}"
                      + " ".join(f"{v:7.2f}" for v in mem[:5]) + f" {mem[5]:8.2f} |"
                      + f"{com[0]:8.2f} {com[1]:8.2f} {com[2]:7.2f} {com[3]:7.2f} {com[4]:7.2f} {com[5]:8.2f} |"
-                     + f"{r[21]:8.3f} {r[22]:8.3f} {r[23]:8.3f} {r[24]:10.0f} {r[25]:6.1%}")
+                     + f"{r[21]:8.3f} {r[22]:8.3f} {r[23]:8.3f} {r[24]:10.0f} {r[25]:6.1%}  {why(c)}")
     return "\n".join(lines)
 
 
@@ -138,3 +170,38 @@ class NoFeasiblePlan(RuntimeError):
             f"{over / GIB:.2f} GiB over ({parts} GiB). Try: " + "; ".join(hints))
         self.smallest = smallest
         self.excess_bytes = over
+
+
+# ---- machine-readable output (python -m amsp.planner --json) -------------------------------------
+
+def degrees_json(d) -> dict:
+    return {"p": d.p, "g": d.g, "os": d.os}
+
+
+def plan_cost_json(c: PlanCost) -> dict:
+    """Every term of one priced plan: per-unit-group degrees, exposed seconds by phase, memory parts
+    (bytes per rank), the priced collectives, fit and MFU."""
+    return {
+        "plan": plan_label(c.plan), "name": c.plan.name,
+        "degrees": {"blocks": degrees_json(c.plan.blocks), "embed_head": degrees_json(c.plan.embed_head)},
+        "step_time_s": c.step_time_s, "compute_s": c.compute_s, "exposed_s": dict(c.exposed_s),
+        "exposed_total_s": c.exposed_total_s, "comm_seconds_by_phase": c.comm_seconds(),
+        "comm_bytes_by_phase": c.comm_bytes(), "inter_node_bytes": c.inter_node_bytes(),
+        "memory_bytes": dict(c.memory), "memory_total_bytes": c.memory_total, "device_memory_bytes": c.device_memory,
+        "fits": c.fits, "tokens_per_s_per_gpu": c.tokens_per_s_per_gpu, "mfu": c.mfu,
+        "collectives": [{"phase": x.phase, "kind": x.kind, "unit": x.unit, "group_size": x.group_size,
+                         "members_per_node": x.members_per_node, "nodes": x.nodes, "bytes": x.bytes,
+                         "count": x.count, "seconds": x.seconds} for x in c.collectives],
+    }
+
+
+def cluster_json(cluster) -> dict:
+    """The cluster figures the plans were priced with (curves: per-rank chunk bytes -> bus GB/s)."""
+    return {"name": cluster.name, "nodes": cluster.nodes, "ranks_per_node": cluster.ranks_per_node,
+            "device_memory_bytes": cluster.device_memory_bytes, "peak_flops": cluster.peak_flops,
+            "memory_bandwidth_gbs": cluster.memory_bandwidth_gbs, "dtype": cluster.dtype,
+            "bandwidth_source": cluster.source, "overlap_slowdown": cluster.overlap_slowdown,
+            "curves": {f"{kind}|{scope}": [[s, b] for s, b in curve.points]
+                       for (kind, scope), curve in sorted(cluster.curves.items())},
+            "alpha_beta": {scope: {"latency_s": ab.latency_s, "gbps": ab.gbps}
+                           for scope, ab in sorted(cluster.fallback.items())}}

@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, replace
 
-from amsp.plan import PRESET_NAMES, Plan, PlanError, make_plan
+from amsp.plan import PRESET_NAMES, Degrees, Plan, PlanError, make_plan
 
 from . import exhaustive, ilp
 from .cluster import ClusterSpec
 from .cost_model import CostModel, Options
-from .report import NoFeasiblePlan, PlanCost, format_table, wandb_rows
+from .report import NoFeasiblePlan, PlanCost, format_table, plan_cost_json, wandb_rows
 from .terms import GroupTerms
 from .workload import Workload
 
@@ -39,6 +40,35 @@ class PlannerResult:
 
     def wandb_table(self) -> tuple[list, list]:
         return wandb_rows(self.ranked + self.presets)
+
+    def to_json(self) -> dict:
+        """The choice, every ranked candidate's and named preset's terms (report.plan_cost_json)."""
+        return {"chosen": plan_cost_json(self.chosen), "ranked": [plan_cost_json(c) for c in self.ranked],
+                "presets": [plan_cost_json(c) for c in self.presets], "solve_s": self.solve_s,
+                "candidates_per_group": self.candidates}
+
+
+def price_plan(workload: Workload, cluster: ClusterSpec, options: Options, plan: Plan) -> PlanCost:
+    """One named plan priced by the same cost model (python -m amsp.planner --price)."""
+    return _with_ranks(CostModel(workload, cluster, options).evaluate(plan), workload)
+
+
+def parse_plan(text: str, dp_world: int, dp_per_node: int) -> Plan:
+    """A plan from the command line: a preset name (ddp, zero1, zero2, zero3, hsdp), or explicit
+    degrees P/G/OS for every unit, or P/G/OS|P/G/OS for blocks | embedding+head (amsp.p/g/os and
+    amsp.embed_head_p/g/os in a training config). PlanError (a ValueError) names what is wrong."""
+    text = text.strip()
+    if text in PRESET_NAMES:
+        return make_plan(text, dp_world, dp_per_node)
+    parts = [x.strip() for x in text.replace(":", "|").split("|")]
+    if len(parts) > 2 or not all(_TRIPLE.fullmatch(x) for x in parts):
+        raise PlanError(f"cannot read plan {text!r}: expected a preset ({', '.join(PRESET_NAMES)}), P/G/OS "
+                        f"(e.g. 8/8/64) or P/G/OS|P/G/OS for blocks | embedding+head")
+    blocks, *rest = [Degrees(*(int(v) for v in x.split("/"))) for x in parts]
+    return make_plan("custom", dp_world, dp_per_node, blocks=blocks, embed_head=rest[0] if rest else None)
+
+
+_TRIPLE = re.compile(r"\d+/\d+/\d+")
 
 
 def _with_ranks(cost: PlanCost, w: Workload) -> PlanCost:

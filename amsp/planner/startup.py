@@ -1,4 +1,6 @@
-"""The planner at training startup (amsp.plan=auto): probe, solve on rank 0, agree on all ranks.
+"""The planner at training startup (amsp.plan=auto): probe the collectives, time the compute
+(compute_profile.py; amsp.planner.measure_compute), solve on rank 0, agree on all ranks. On a GPU
+with no cluster named the device's preset is used (from_config.cluster_spec -> device_preset.py).
 
 Runs before any model state is allocated. Every rank takes part in the probe (collectives); rank 0
 solves and broadcasts the plan (a control value: amsp.control), so all ranks build the engine with
@@ -13,14 +15,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from amsp import control
 from amsp.plan import Plan
 from amsp.topology import Topology
 
 from .from_config import cluster_spec, options_from_config, planner_config, workload_from_config
-from .probe import apply_points, probe_points
+from .compute_profile import ComputeProfile, measure_profile
+from .probe import apply_points, probe_points, probe_sizes
 from .ilp import SolverError
 from .report import NoFeasiblePlan
 from .solve import plan_cluster
@@ -34,13 +37,14 @@ class PlanOutcome:
     table: str  # the text printed at startup and saved as RUN_DIR/plan.txt
     columns: list  # for WandbLogger.log_table("planner", columns, rows)
     rows: list
+    # the inputs the choice was priced with (probe applied): the recheck (amsp/replan_switch.py) refits them
+    cluster: object = None
+    options: object = None
 
 
 def ranks_per_node(cfg: DictConfig, local_world_size: int) -> int:
     """amsp.ranks_per_node when the config has it (one machine posing as several nodes), else the
     launcher's ranks per machine."""
-    from omegaconf import OmegaConf
-
     r = OmegaConf.select(cfg, "amsp.ranks_per_node")
     return int(r) if r else local_world_size
 
@@ -59,7 +63,8 @@ def plan_for_run(cfg: DictConfig, denv, device: torch.device | str = "cpu",
     points = None
     if p.probe and denv.world_size > 1 and dist.is_initialized():
         points = probe_points(topo, denv.rank, device, pathlib.Path(p.cache_dir) if p.cache_dir else None,
-                              p.probe_cache)
+                              p.probe_cache, probe_sizes(p.probe_max_mib * 2**20), p.probe_budget_s)
+    profile = measured_compute(cfg, denv, device) if p.measure_compute else None
     box: list = [None]
     error = None
     if denv.rank == 0:  # only rank 0 measures the CPU peak (if needed) and solves
@@ -71,7 +76,7 @@ def plan_for_run(cfg: DictConfig, denv, device: torch.device | str = "cpu",
             else:
                 why = "amsp.planner.probe=false" if not p.probe else "a single process has nothing to measure"
                 log.info("planner: no bandwidth probe (%s); using the %s cluster figures", why, cluster.name)
-            box[0] = _solve(cfg, cluster, p, run_dir)
+            box[0] = _solve(cfg, cluster, p, run_dir, profile)
         except (NoFeasiblePlan, ValueError, SolverError) as e:  # tell the other ranks, then raise here
             error, box[0] = e, f"{type(e).__name__}: {e}"
     if denv.world_size > 1 and dist.is_initialized():
@@ -83,14 +88,30 @@ def plan_for_run(cfg: DictConfig, denv, device: torch.device | str = "cpu",
     return box[0]
 
 
-def _solve(cfg, cluster, p, run_dir) -> PlanOutcome:
+def measured_compute(cfg: DictConfig, denv, device: torch.device) -> ComputeProfile:
+    """The run's compute profile (compute_profile.py), measured on every rank or read from the cache.
+    Collective when the world has several ranks."""
+    from configs.schema import to_llama_config
+
+    p = planner_config(cfg)
+    model = to_llama_config(cfg.model)
+    a, t = OmegaConf.select(cfg, "amsp.precision") or "auto", cfg.trainer.dtype
+    dtype = a if a != "auto" else t if t != "auto" else "bf16" if device.type == "cuda" else "fp32"
+    cache = pathlib.Path(p.cache_dir) if p.cache_dir else None  # next to the probe's files
+    return measure_profile(model, cfg.data.seq_len, cfg.trainer.micro_batch_size, dtype,
+                           model.activation_checkpointing, device, denv.world_size, denv.rank, cache,
+                           p.probe_cache, p.overlap_slowdown)
+
+
+def _solve(cfg, cluster, p, run_dir, profile: ComputeProfile | None = None) -> PlanOutcome:
     t0 = time.perf_counter()
     w = workload_from_config(cfg, cluster)
-    res = plan_cluster(w, cluster, options_from_config(cfg), top_k=p.top_k, time_limit_s=p.time_limit_s)
+    options = options_from_config(cfg, profile)
+    res = plan_cluster(w, cluster, options, top_k=p.top_k, time_limit_s=p.time_limit_s)
     columns, rows = res.wandb_table()
     text = cluster.describe() + "\n" + res.table()
     log.info("planner (%.2f s):\n%s", time.perf_counter() - t0, text)
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "plan.txt").write_text(text + "\n")
-    return PlanOutcome(res.plan, text, columns, rows)
+    return PlanOutcome(res.plan, text, columns, rows, cluster, options)

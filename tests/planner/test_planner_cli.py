@@ -79,3 +79,56 @@ def test_spread_window_reaches_the_planner():
     assert options_from_config(compose_config(["model=debug", "amsp.spread_window=5"])).spread_window == 5
     with pytest.raises(ValueError, match="amsp.spread_window=0 must be >= 1"):
         options_from_config(compose_config(["model=debug", "amsp.spread_window=0"]))
+
+
+def test_cli_json_has_the_choice_every_candidate_and_the_inputs(capsys):
+    import json
+
+    assert main(["--json"] + ISSUE_ARGS) == 0
+    out = json.loads(capsys.readouterr().out)  # stdout is JSON only (logs go to stderr)
+    chosen = out["chosen"]
+    assert chosen["name"] == "auto" and chosen["fits"] and 0 < chosen["mfu"] < 1
+    assert set(chosen["degrees"]) == {"blocks", "embed_head"} and set(chosen["degrees"]["blocks"]) == {"p", "g", "os"}
+    assert chosen["step_time_s"] == pytest.approx(chosen["compute_s"] + sum(chosen["exposed_s"].values()))
+    assert chosen["memory_total_bytes"] == pytest.approx(sum(chosen["memory_bytes"].values()))
+    assert {"params", "grads", "optim", "activations"} <= set(chosen["memory_bytes"])
+    assert len(out["ranked"]) >= 2 and [c["name"] for c in out["presets"]] == ["ddp", "zero1", "zero2", "zero3", "hsdp"]
+    assert out["ranked"][0]["plan"] == chosen["plan"]
+    assert all(out["ranked"][i]["step_time_s"] <= out["ranked"][i + 1]["step_time_s"] + 1e-12
+               for i in range(1, len(out["ranked"]) - 1))
+    inputs = out["inputs"]
+    assert inputs["workload"]["seq_len"] == 4096 and inputs["workload"]["model"]["dim"] == 5120
+    assert inputs["cluster"]["name"] == "a800x8" and "all_gather|inter" in inputs["cluster"]["curves"]
+    assert inputs["compute_source"].startswith("FLOPs at 45% MFU") and inputs["bandwidth_source"] == "preset"
+    assert "mfu" in inputs["options"]
+
+
+def test_cli_prices_named_plans(capsys):
+    import json
+
+    assert main(["--json", "--price", "zero3", "--price", "8/8/1024|1/1/1024"] + ISSUE_ARGS) == 0
+    priced = json.loads(capsys.readouterr().out)["priced"]
+    assert [p["plan"] for p in priced] == ["1024/1024/1024", "8/8/1024 | 1/1/1024"]
+    assert priced[0]["name"] == "zero3" and priced[1]["degrees"]["embed_head"] == {"p": 1, "g": 1, "os": 1024}
+    assert priced[0]["step_time_s"] != priced[1]["step_time_s"]
+    assert main(["--price", "hsdp"] + ISSUE_ARGS) == 0
+    assert "priced plans" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("plan,message", [("zero9", "cannot read plan 'zero9'"),
+                                          ("3/3/3", "breaks the divisibility rule")])
+def test_cli_bad_plan_is_a_one_line_error(capsys, plan, message):
+    assert main(["--price", plan] + ISSUE_ARGS) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+
+
+def test_cli_large_top_k_is_fast(capsys):
+    """A long ranked table comes from the vectorised enumeration, not from re-solving: top_k=200 at
+    1024 ranks stays within seconds: one cost-model evaluation per listed plan, no ILP per alternative."""
+    import time
+
+    t0 = time.perf_counter()
+    assert main(["--json", "amsp.planner.top_k=200"] + ISSUE_ARGS) == 0
+    ranked = __import__("json").loads(capsys.readouterr().out)["ranked"]
+    assert len(ranked) == 200 and time.perf_counter() - t0 < 60

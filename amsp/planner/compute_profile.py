@@ -1,0 +1,257 @@
+"""Measured compute of one rank at the run's shape: what the cost model uses instead of FLOPs at an
+assumed MFU when it is given (cost_model.Options.compute).
+
+The interface between the measurement (startup) and the cost model; every time is for one
+micro-batch at the run's micro-batch size, sequence length and dtype. measure_profile builds one
+block + head + embedding with the model code (models/llama/model.py) on the run's device, times them
+(warm-up, median of a few repeats, synchronised on CUDA) and, with several ranks, how much a
+concurrent data-plane all_reduce of one block's bytes slows the block's forward+backward. Cached on
+disk keyed by device, model shape, sequence, micro-batch, dtype, recomputation, torch version and
+world, so a restarted job skips it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import pathlib
+import statistics
+import time
+from dataclasses import asdict, dataclass, replace
+
+
+@dataclass(frozen=True)
+class ComputeProfile:
+    block_forward_s: float  # one block, one micro-batch, at the run's shape and dtype
+    block_backward_s: float  # without recomputation
+    head_forward_backward_s: float  # final norm + output head + loss, forward+backward
+    embedding_s: float  # forward+backward of the embedding (tiny)
+    overlap_slowdown: float | None  # compute seconds lost per second of hidden comm; None: preset
+    source: str  # "measured on <device>", "cache", "file:..."
+
+
+# ---- measurement at startup -------------------------------------------------------------------
+
+log = logging.getLogger(__name__)
+
+FIELDS = ("block_forward_s", "block_backward_s", "head_forward_backward_s", "embedding_s")
+
+
+def default_cache_dir() -> pathlib.Path:
+    from .probe import default_cache_dir as probe_dir
+
+    return probe_dir().parent / "compute"
+
+
+def device_name(device) -> str:
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    from amsp.metrics.peak import cpu_model_name
+
+    return f"{cpu_model_name()} ({torch.get_num_threads()} threads)"
+
+
+def cache_key(model_cfg, seq_len: int, micro_batch: int, dtype: str, recompute: str, device, world: int,
+              backend: str | None) -> str:
+    import torch
+
+    shape = {"device": device_name(device), "dim": model_cfg.dim, "ffn": model_cfg.ffn_hidden_dim,
+             "heads": model_cfg.n_heads, "kv_heads": model_cfg.n_kv_heads, "vocab": model_cfg.vocab_size,
+             "tie": model_cfg.tie_embeddings, "attention": str(model_cfg.attention), "seq": seq_len,
+             "mbs": micro_batch, "dtype": dtype, "recompute": recompute, "torch": torch.__version__,
+             "world": world, "backend": backend}
+    return hashlib.sha1(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn, device, repeats: int, budget_s: float = 0.5) -> float:
+    """Median of `repeats` timed calls after a warm-up; fewer repeats when the calls are slow (a
+    large block on a CPU), so the whole profile stays within a few seconds."""
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()  # warm-up: allocation, kernel selection
+    _sync(device)
+    repeats = max(1, min(repeats, int(budget_s / max(time.perf_counter() - t0, 1e-9))))
+    samples = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def _one_block_model(model_cfg, device, dtype):
+    """The model code with one block (build_model: meta-built, seeded init): the block, head and embedding
+    at the run's width. No recomputation: the cost model adds it (Options.compute's convention)."""
+    from models.llama.model import build_model
+
+    return build_model(replace(model_cfg, n_layers=1, activation_checkpointing="none"), device, dtype)
+
+
+def time_compute(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, device, repeats: int = 3):
+    """({field: seconds} for one micro-batch on this process's device, the parts the overlap
+    measurement reuses)."""
+    import torch
+
+    device = torch.device(device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    model = _one_block_model(model_cfg, device, dtype)
+    block, head, emb = model.layers[0], model.head, model.tok_embeddings
+    tied = emb.weight if model_cfg.tie_embeddings else None
+    cos, sin = model.rope_cos[:seq_len], model.rope_sin[:seq_len]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    tokens = torch.randint(0, model_cfg.vocab_size, (micro_batch, seq_len), generator=g).to(device)
+    x = (torch.randn(micro_batch, seq_len, model_cfg.dim, generator=g) * 0.5).to(device, dtype).requires_grad_()
+    grad = torch.ones_like(x)
+
+    with torch.no_grad():
+        fwd = _median_time(lambda: block(x, cos, sin), device, repeats)
+    out = block(x, cos, sin)  # one graph, its backward timed repeatedly (retain_graph)
+    bwd = _median_time(lambda: out.backward(grad, retain_graph=True), device, repeats)
+    del out
+    head_s = _median_time(lambda: head(x, tied, tokens).backward(), device, repeats)
+    emb_s = _median_time(lambda: emb(tokens).backward(grad), device, repeats)
+    return {"block_forward_s": fwd, "block_backward_s": bwd,
+            "head_forward_backward_s": head_s, "embedding_s": emb_s}, (block, x, cos, sin, grad)
+
+
+def measure_overlap_slowdown(parts, device, comm_bytes: int, repeats: int = 3) -> float:
+    """Compute seconds lost per second of communication hidden behind it, on this rank: a block's
+    forward+backward alone vs while an all_reduce of comm_bytes (a block's gradients) runs on the
+    data plane (every rank calls this at once; collective)."""
+    import torch
+    import torch.distributed as dist
+
+    from amsp import control
+    from amsp.routing_check import data_plane
+
+    block, x, cos, sin, grad = parts
+    buf = torch.ones(max(1, comm_bytes // 4), device=device)
+
+    def compute():
+        block(x, cos, sin).backward(grad)
+
+    def comm_alone():
+        with data_plane():
+            dist.all_reduce(buf)
+
+    def together():
+        with data_plane():
+            work = dist.all_reduce(buf, async_op=True)
+        compute()
+        _sync(device)
+        t_compute = time.perf_counter()
+        with data_plane():
+            work.wait()
+        return t_compute
+
+    alone = _median_time(compute, device, repeats)
+    control.barrier()
+    comm = _median_time(comm_alone, device, repeats)
+    slowed = []
+    together()  # warm-up
+    for _ in range(repeats):
+        control.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        slowed.append(together() - t0)
+    with_comm = statistics.median(slowed)
+    hidden = min(comm, with_comm)
+    return max(0.0, with_comm - alone) / hidden if hidden > 0 else 0.0
+
+
+def measure_profile(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, recompute: str, device,
+                    world: int, rank: int, cache_dir: pathlib.Path | None = None, use_cache: bool = True,
+                    overlap_fallback: float | None = None) -> ComputeProfile:
+    """The run's ComputeProfile: cached, else measured on every rank at once (the ranks of a machine
+    share it, as in training) with the median over ranks kept. Collective when world > 1."""
+    import torch
+    import torch.distributed as dist
+
+    from amsp import control
+
+    device = torch.device(device)
+    distributed = world > 1 and dist.is_initialized()
+    backend = dist.get_backend() if distributed else None
+    key = cache_key(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, world, backend)
+    path = (cache_dir or default_cache_dir()) / f"compute-{key}.json"
+    cached = None
+    if rank == 0 and use_cache and path.exists():
+        try:
+            cached = json.loads(path.read_text())["profile"]
+        except (OSError, ValueError, KeyError) as e:
+            log.warning("compute profile cache %s unreadable (%s); measuring again", path, e)
+    if distributed:
+        cached = control.broadcast_object(cached, src=0)
+    if cached is not None:
+        prof = ComputeProfile(**{**cached, "source": f"cache ({cached['source']})"})
+        if rank == 0:
+            log.info("compute profile: cached %s: %s", path, describe(prof))
+        return prof
+
+    if rank == 0:
+        log.info("compute profile: timing one block (dim %d, micro-batch %d x %d, %s) forward/backward, the head "
+                 "and the embedding on %s%s", model_cfg.dim, micro_batch, seq_len, dtype_name, device_name(device),
+                 ", then with a concurrent all_reduce" if distributed else "")
+    t0 = time.perf_counter()
+    times, parts = time_compute(model_cfg, seq_len, micro_batch, dtype_name, device)
+    slowdown = None
+    if distributed:
+        block_bytes = sum(p.numel() * p.element_size() for p in parts[0].parameters())
+        mine = measure_overlap_slowdown(parts, device, block_bytes)
+        rows = control.all_gather_object([times[f] for f in FIELDS] + [mine])
+        times = {f: statistics.median(r[i] for r in rows) for i, f in enumerate(FIELDS)}
+        slowdown = min(1.0, statistics.median(r[-1] for r in rows))
+    elif rank == 0:
+        log.info("compute profile: a single process has no concurrent communication to measure; overlap "
+                 "slowdown from %s", "the cluster preset" if overlap_fallback is None else "the config")
+    del parts  # the one-block model: freed before the engine allocates, and kept out of the run's peak
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    prof = ComputeProfile(**times, overlap_slowdown=slowdown, source=f"measured on {device_name(device)}")
+    if rank == 0:
+        log.info("compute profile (%.2f s to measure): %s", time.perf_counter() - t0, describe(prof))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": key, "profile": asdict(prof)}, indent=1))
+        tmp.replace(path)
+    return prof
+
+
+def describe(p: ComputeProfile) -> str:
+    slow = "preset" if p.overlap_slowdown is None else f"{p.overlap_slowdown:.3f} s/s"
+    return (f"block fwd {p.block_forward_s * 1e3:.2f} ms, bwd {p.block_backward_s * 1e3:.2f} ms, head fwd+bwd "
+            f"{p.head_forward_backward_s * 1e3:.2f} ms, embedding {p.embedding_s * 1e3:.2f} ms, overlap "
+            f"slowdown {slow} ({p.source})")
+
+
+def load_profile(path: str) -> ComputeProfile:
+    """A ComputeProfile from a JSON file ({field: value}, the cache's "profile" or a bare object)."""
+    from amsp.errors import InputError
+
+    try:
+        data = json.loads(pathlib.Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"--compute-profile {path}: cannot read JSON ({e})") from e
+    data = data.get("profile", data)
+    missing = [f for f in FIELDS if f not in data]
+    if missing:
+        raise InputError(f"--compute-profile {path}: missing {', '.join(missing)} (need {', '.join(FIELDS)})")
+    try:
+        return ComputeProfile(**{f: float(data[f]) for f in FIELDS},
+                              overlap_slowdown=None if data.get("overlap_slowdown") is None
+                              else float(data["overlap_slowdown"]), source=f"file:{path}")
+    except (TypeError, ValueError) as e:
+        raise InputError(f"--compute-profile {path}: {e}") from e

@@ -1,0 +1,95 @@
+"""The startup compute measurement (amsp/planner/compute_profile.py) and its use by the cost model."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import pytest
+
+from amsp.planner.compute_profile import ComputeProfile, load_profile, measure_profile
+
+TINY = ["model=debug", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=4",
+        "data.seq_len=32", "trainer.micro_batch_size=1", "trainer.global_batch_size=2"]
+
+
+def _model(cfg):
+    from configs.schema import to_llama_config
+
+    return to_llama_config(cfg.model)
+
+
+def test_measured_profile_is_sane_and_cached(tmp_path, caplog):
+    from amsp.planner.__main__ import compose_config
+
+    cfg = compose_config(TINY)
+    args = (_model(cfg), 32, 1, "fp32", "none", "cpu", 1, 0, tmp_path)
+    with caplog.at_level(logging.INFO, logger="amsp.planner"):
+        first = measure_profile(*args)
+    assert first.source.startswith("measured on ")
+    for f in ("block_forward_s", "block_backward_s", "head_forward_backward_s", "embedding_s"):
+        assert 0 < getattr(first, f) < 5, (f, first)
+    assert first.overlap_slowdown is None  # one process: nothing concurrent to measure, said so
+    assert "a single process has no concurrent communication" in caplog.text
+    second = measure_profile(*args)
+    assert second.source.startswith("cache") and second.block_forward_s == first.block_forward_s
+    assert len(list(tmp_path.glob("compute-*.json"))) == 1
+    other = measure_profile(_model(cfg), 16, 1, "fp32", "none", "cpu", 1, 0, tmp_path)  # another shape
+    assert other.source.startswith("measured") and len(list(tmp_path.glob("compute-*.json"))) == 2
+
+
+def test_injected_profile_changes_the_prediction(tmp_path, capsys):
+    from amsp.planner.__main__ import compose_config, main
+    from amsp.planner.cost_model import CostModel, Options
+    from amsp.planner.from_config import cluster_spec, workload_from_config
+    from amsp.plan import make_plan
+
+    cfg = compose_config(["model=debug", "cluster=h100x8", "cluster.nodes=2", "model.activation_checkpointing=full"])
+    cluster = cluster_spec(cfg)
+    w = workload_from_config(cfg, cluster)
+    prof = ComputeProfile(0.01, 0.02, 0.005, 0.001, 0.3, "file:test")
+    plan = make_plan("zero3", cluster.world, cluster.ranks_per_node)
+    flops = CostModel(w, cluster, Options()).evaluate(plan)
+    measured = CostModel(w, cluster, Options(compute=prof)).evaluate(plan)
+    # full recomputation: backward + one more forward per block; head and embedding once
+    expected = (w.layers * (0.01 + 0.02 + 0.01) + 0.006) * w.micro_batches
+    assert measured.compute_s == pytest.approx(expected) and flops.compute_s != pytest.approx(expected)
+
+    path = tmp_path / "prof.json"
+    path.write_text(json.dumps({"profile": dataclasses.asdict(prof)}))
+    assert load_profile(str(path)).source == f"file:{path}"
+    assert main(["--json", "--compute-profile", str(path), "model=debug", "cluster=h100x8", "cluster.nodes=2",
+                 "model.activation_checkpointing=full"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["inputs"]["compute_source"] == f"file:{path}"
+    assert out["chosen"]["compute_s"] == pytest.approx(expected)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"block_forward_s": 1.0}))
+    assert main(["--compute-profile", str(bad), "model=debug"]) == 2
+    assert "missing block_backward_s" in capsys.readouterr().err
+
+
+def _startup(rank: int, world: int, tmp: str) -> dict:
+    from amsp.launch import DistEnv
+    from amsp.planner.__main__ import compose_config
+    from amsp.planner.startup import plan_for_run
+
+    cfg = compose_config(TINY + ["cluster.peak_tflops=0.05", "amsp.planner.probe=false",
+                                 f"amsp.planner.cache_dir={tmp}", "amsp.planner.top_k=2"])
+    out = plan_for_run(cfg, DistEnv(rank, world, rank, world, "test"))
+    again = plan_for_run(cfg, DistEnv(rank, world, rank, world, "test"))
+    return {"plan": out.plan, "profile": out.options.compute if rank == 0 else None,
+            "again": again.options.compute if rank == 0 else None, "table": out.table if rank == 0 else ""}
+
+
+@pytest.mark.distributed
+def test_plan_for_run_measures_compute_and_overlap(tmp_path):
+    from tests.distributed import run_distributed
+
+    out = run_distributed(_startup, 2, str(tmp_path), timeout=300)
+    assert out[0]["plan"] == out[1]["plan"]
+    prof, again = out[0]["profile"], out[0]["again"]
+    assert prof.source.startswith("measured on ") and prof.block_forward_s > 0
+    assert prof.overlap_slowdown is not None and 0 <= prof.overlap_slowdown <= 1  # measured with 2 ranks
+    assert again.source.startswith("cache") and again.overlap_slowdown == prof.overlap_slowdown
+    assert len(list(tmp_path.glob("compute-*.json"))) == 1
