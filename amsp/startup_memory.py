@@ -36,16 +36,24 @@ def oom_reason(exc: BaseException) -> str | None:
     return None
 
 
-def predicted_cost(cfg, denv, device, plan):
-    """The planner's cost (PlanCost) of `plan` for this run's config and world."""
-    from amsp.planner.cost_model import CostModel
+def planner_inputs(cfg, denv, device, cluster=None, options=None):
+    """(Workload, ClusterSpec, Options) the planner prices this run's plans with; `cluster` and
+    `options` are the ones the startup planner used (probe and compute profile applied) when given."""
     from amsp.planner.from_config import cluster_spec, options_from_config, workload_from_config
     from amsp.planner.startup import ranks_per_node
 
-    r = ranks_per_node(cfg, denv.local_world_size)
-    cluster = cluster_spec(cfg, nodes=max(1, denv.world_size // r), ranks_per_node=r,
-                           local_ranks=denv.local_world_size, device=device)
-    return CostModel(workload_from_config(cfg, cluster), cluster, options_from_config(cfg)).evaluate(plan)
+    if cluster is None:
+        r = ranks_per_node(cfg, denv.local_world_size)
+        cluster = cluster_spec(cfg, nodes=max(1, denv.world_size // r), ranks_per_node=r,
+                               local_ranks=denv.local_world_size, device=device)
+    return workload_from_config(cfg, cluster), cluster, options or options_from_config(cfg)
+
+
+def predicted_cost(cfg, denv, device, plan):
+    """The planner's cost (PlanCost) of `plan` for this run's config and world."""
+    from amsp.planner.cost_model import CostModel
+
+    return CostModel(*planner_inputs(cfg, denv, device)).evaluate(plan)
 
 
 def out_of_memory_error(reason: str, cfg, denv, device, plan) -> FaultError:

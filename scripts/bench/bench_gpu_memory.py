@@ -49,10 +49,14 @@ def cluster(world: int):
                                ranks_per_node=world)
 
 
-def predicted_bytes(cfg, plan: Plan, world: int, seq: int, micro: int, window: int) -> tuple[float, dict]:
-    # bf16 weights, fp32 gradient reduction (the engine's defaults on CUDA).
-    w = Workload(cfg, seq, 1, micro, Precision(param_bytes=2, grad_bytes=4), cfg.activation_checkpointing)
-    cost = CostModel(w, cluster(world), Options(spread_window=window)).evaluate(plan)
+def predicted_bytes(cfg, plan: Plan, world: int, seq: int, micro: int, window: int,
+                    param_bytes: int = 2) -> tuple[float, dict]:
+    """The cost model's per-rank tensor peak without the reserve (the larger phase; parts by name,
+    step_reuse negative). Defaults: bf16 weights, fp32 gradient reduction (the engine on CUDA);
+    scripts/bench/bench_memory_fidelity.py asks for fp32 weights on CPU."""
+    w = Workload(cfg, seq, 1, micro, Precision(param_bytes=param_bytes, grad_bytes=4), cfg.activation_checkpointing)
+    # the engine's default: the spread follows the update (EngineOptions.overlap_spread=False)
+    cost = CostModel(w, cluster(world), Options(spread_window=window, overlap_spread=False)).evaluate(plan)
     parts = {k: v for k, v in cost.memory.items() if k != "reserved"}
     return float(sum(parts.values())), parts
 

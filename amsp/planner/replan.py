@@ -1,0 +1,144 @@
+"""Re-planning from measurement: compare a run's measured step time and memory with its plan's
+prediction, refit the cost model's constants, re-solve, and decide whether a switch is worth it.
+
+Pure functions over the planner's types (no torch.distributed, no files, no engine):
+amsp/replan_switch.py runs them on rank 0 during training and swaps the engine.
+
+The refit corrects the model's inputs, not its outputs, so the re-solve prices every candidate plan
+with the corrected constants, not only the one that ran:
+  * compute_scale = measured compute / predicted compute. Measured compute is the median step time
+    minus the median exposed communication (the waits amsp.collectives books); predicted compute is
+    compute_s plus the optimizer step and the overlap slowdown (the terms that are not waits). It
+    multiplies the compute profile's seconds, or divides the peak FLOP/s when compute came from FLOPs.
+  * comm_scale multiplies every latency and divides every bandwidth of the cluster. Exposed time is
+    not linear in it (a collective hides until it outgrows its compute window), so it is found by
+    bisection: the scale at which the plan's predicted exposed communication, with compute already
+    refitted, equals the measured one. When neither side exposes more than 1% of the step the traffic
+    was hidden and says nothing about the links: the scale stays 1.
+Memory is compared and reported, not refitted: the plan chosen must still fit by the model's own
+terms (amsp/planner/cost_model.py), and a measured peak above the prediction is logged as an error.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, replace
+
+from .cluster import AlphaBeta, BandwidthCurve, ClusterSpec
+from .cost_model import CostModel, Options
+from .report import PlanCost
+from .workload import Workload
+
+MIN_GAIN = 0.05  # a switch must be predicted at least this much faster: a switch costs a checkpoint
+NOT_WAITS = ("optimizer", "contention")  # exposed-time terms that are compute, not collective waits
+_SCALE_RANGE = (1e-3, 1e3)
+NOISE_FLOOR = 0.01  # exposed communication under 1% of the step on both sides says nothing about the links
+
+
+@dataclass(frozen=True)
+class Measured:
+    step_s: float  # median step time over the window (step 1 of the process excluded)
+    exposed_comm_s: float  # median per-step time stalled in collective waits
+    peak_bytes: float  # per-rank peak memory (the largest rank), baseline subtracted on CPU
+    steps: int  # steps in the window
+
+
+@dataclass(frozen=True)
+class Refit:
+    compute_scale: float
+    comm_scale: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    switch: bool
+    reason: str
+    current: PlanCost  # the running plan, priced with the refitted constants
+    best: PlanCost  # the re-solve's choice, priced with the refitted constants
+
+
+def window_median(step_times: list[float], skip_first: bool = True) -> float:
+    """Median of a window of per-step values; the process's first step (warm-up, allocation) is
+    left out when it is in the window."""
+    values = step_times[1:] if skip_first else step_times
+    if not values:
+        raise ValueError("a recheck needs at least one step after the first")
+    return float(statistics.median(values))
+
+
+def comm_exposed_s(cost: PlanCost) -> float:
+    return sum(s for phase, s in cost.exposed_s.items() if phase not in NOT_WAITS)
+
+
+def predicted_compute_s(cost: PlanCost) -> float:
+    return cost.compute_s + sum(cost.exposed_s.get(phase, 0.0) for phase in NOT_WAITS)
+
+
+def scaled_cluster(cluster: ClusterSpec, comm_scale: float, compute_scale: float = 1.0) -> ClusterSpec:
+    """The cluster with collectives comm_scale times slower (latency up, bandwidth down) and the peak
+    FLOP/s compute_scale times lower."""
+    if comm_scale <= 0 or compute_scale <= 0:
+        raise ValueError(f"scales must be positive, got comm {comm_scale}, compute {compute_scale}")
+    curves = {k: BandwidthCurve(tuple((size, bw / comm_scale) for size, bw in c.points))
+              for k, c in cluster.curves.items()}
+    fallback = {k: AlphaBeta(ab.latency_s * comm_scale, ab.gbps / comm_scale) for k, ab in cluster.fallback.items()}
+    return replace(cluster, curves=curves, fallback=fallback, peak_flops=cluster.peak_flops / compute_scale,
+                   source=f"{cluster.source}, refitted")
+
+
+def refitted_inputs(cluster: ClusterSpec, options: Options, refit: Refit) -> tuple[ClusterSpec, Options]:
+    """Cost-model inputs with the refit applied: compute through the measured profile when there is
+    one (its seconds scale), else through the peak FLOP/s; communication through the cluster."""
+    if options.compute is not None:
+        p = options.compute
+        s = refit.compute_scale
+        profile = replace(p, block_forward_s=p.block_forward_s * s, block_backward_s=p.block_backward_s * s,
+                          head_forward_backward_s=p.head_forward_backward_s * s, embedding_s=p.embedding_s * s,
+                          source=f"{p.source}, x{s:.3g} from the recheck")
+        return scaled_cluster(cluster, refit.comm_scale), replace(options, compute=profile)
+    return scaled_cluster(cluster, refit.comm_scale, refit.compute_scale), options
+
+
+def refit(workload: Workload, cluster: ClusterSpec, options: Options, plan, measured: Measured) -> Refit:
+    """The two scales that make the running plan's prediction match what was measured."""
+    prior = CostModel(workload, cluster, options).evaluate(plan)
+    compute_scale = max(1e-9, measured.step_s - measured.exposed_comm_s) / max(1e-12, predicted_compute_s(prior))
+
+    def exposed(comm_scale: float) -> float:
+        c, o = refitted_inputs(cluster, options, Refit(compute_scale, comm_scale))
+        return comm_exposed_s(CostModel(workload, c, o).evaluate(plan))
+
+    target = measured.exposed_comm_s
+    lo, hi = _SCALE_RANGE
+    floor = NOISE_FLOOR * measured.step_s
+    if exposed(1.0) <= floor and target <= floor:
+        return Refit(compute_scale, 1.0)  # (nearly) everything hidden on both sides: no information on the links
+    if exposed(lo) >= target:
+        return Refit(compute_scale, lo)
+    if exposed(hi) <= target:
+        return Refit(compute_scale, hi)
+    for _ in range(40):  # bisection in log space: exposure grows monotonically with the scale
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if exposed(mid) < target else (lo, mid)
+    return Refit(compute_scale, math.sqrt(lo * hi))
+
+
+def decide(current: PlanCost, best: PlanCost, user_named: bool, min_gain: float = MIN_GAIN) -> Decision:
+    """Switch when the re-solve's plan is predicted at least min_gain faster than the running one
+    (both priced with the refitted constants) and the plan was the planner's own choice."""
+    same = (best.plan.blocks, best.plan.embed_head) == (current.plan.blocks, current.plan.embed_head)
+    gain = 1.0 - best.step_time_s / current.step_time_s if current.step_time_s > 0 else 0.0
+    if user_named:
+        return Decision(False, "the plan was named by the user (amsp.plan or explicit degrees): the recheck "
+                               "reports only", current, best)
+    if same:
+        return Decision(False, "the running plan is still the best after the refit", current, best)
+    if gain < min_gain:
+        return Decision(False, f"{best.plan} is predicted only {gain:.1%} faster (< {min_gain:.0%})", current, best)
+    return Decision(True, f"{best.plan} is predicted {gain:.1%} faster than {current.plan} with the refitted "
+                          f"constants (>= {min_gain:.0%})", current, best)
+
+
+def relative_error(predicted: float, measured: float) -> float | None:
+    """(predicted - measured) / measured; None when nothing was measured."""
+    return (predicted - measured) / measured if measured > 0 else None

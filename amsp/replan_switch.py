@@ -1,0 +1,186 @@
+"""Re-planning during training (amsp.planner.recheck_steps, amsp.planner.replan): measure, refit,
+decide on rank 0, and swap the engine for the new plan at the next checkpoint.
+
+After `recheck_steps` steps of this process the run compares the median step time (the process's
+first step left out), the median exposed communication (amsp.collectives' waits) and the peak memory
+with the planner's prediction for the running plan, logs both and the error, refits the cost
+model's constants (amsp/planner/replan.py) and re-solves. The measurements are the largest over the
+ranks (the slowest rank sets the step); rank 0 decides and broadcasts (amsp.control), so every rank
+agrees. With replan=true and a plan the planner chose, a plan predicted >= 5% faster replaces it at
+the next checkpoint: the checkpoint is written, the engine is rebuilt with the new plan and loads
+it, the same path as a resume (checkpoints reshard across plans). RUN_DIR/replan.json records the
+old and new plans, the predicted and measured numbers and the refit. A plan the user named is
+never replaced: the recheck reports only. One recheck per process: a resumed run rechecks again.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+from dataclasses import asdict
+from typing import Callable
+
+import torch
+from omegaconf import OmegaConf
+
+from amsp import control
+from amsp.metrics.memory import current_rss_bytes, peak_memory_bytes
+from amsp.planner import replan as rp
+
+log = logging.getLogger(__name__)
+_GIB = 2**30
+
+
+class Replanner:
+    """One recheck per process; rank 0 decides, every rank follows."""
+
+    def __init__(self, cfg, denv, device: torch.device, planned, plan, run_dir: pathlib.Path):
+        p = OmegaConf.select(cfg, "amsp.planner")
+        self.recheck_steps = int(p.recheck_steps)
+        self.replan = bool(p.replan)
+        self.cfg, self.denv, self.device, self.run_dir = cfg, denv, torch.device(device), run_dir
+        self.planned = planned  # startup.PlanOutcome when the planner chose; None: the user named the plan
+        self.user_named = planned is None
+        self.plan = plan
+        # On CPU the peak is the process's RSS: what it held before the engine existed is not the model's.
+        self.baseline_bytes = current_rss_bytes() if self.device.type == "cpu" else 0
+        self.step_times: list[float] = []
+        self.exposed: list[float] = []
+        self.done = False
+        self.pending = None  # the plan to switch to at the next checkpoint
+
+    @property
+    def enabled(self) -> bool:
+        return self.recheck_steps > 0
+
+    # ---- per step ----
+    def observe(self, timings: dict, comm_exposed_s: float) -> None:
+        """Collective on the step that fills the window (every rank calls it every step)."""
+        if not self.enabled or self.done:
+            return
+        self.step_times.append(float(timings["step"]))
+        self.exposed.append(float(comm_exposed_s))
+        if len(self.step_times) >= self.recheck_steps + 1:  # + the first step, which is left out
+            self.done = True
+            self.recheck()
+
+    def recheck(self) -> None:
+        step_s = rp.window_median(self.step_times)
+        exposed_s = rp.window_median(self.exposed)
+        peak = max(0, peak_memory_bytes(self.device) - self.baseline_bytes)
+        if self.denv.world_size > 1:
+            step_s, exposed_s, peak = control.all_reduce_max_floats([step_s, exposed_s, float(peak)])
+        measured = rp.Measured(step_s, exposed_s, float(peak), len(self.step_times) - 1)
+        record = self._decide(measured) if self.denv.rank == 0 else None
+        if self.denv.world_size > 1:
+            record = control.broadcast_object(record, src=0)
+        if "error" in record:
+            log.warning("planner recheck failed on rank 0: %s; training goes on with plan %s", record["error"],
+                        self.plan)
+            return
+        if record["switch"]:
+            self.pending = record["new_plan_object"]
+
+    def _decide(self, measured: rp.Measured) -> dict:
+        try:
+            return self._decide_or_raise(measured)
+        except Exception as e:  # noqa: BLE001 - reported; the other ranks wait on rank 0's answer, and the run
+            # must not die (or hang) of an advisory recheck
+            return {"error": f"{type(e).__name__}: {e}"}
+
+    def _decide_or_raise(self, measured: rp.Measured) -> dict:
+        from amsp.planner.cost_model import CostModel
+        from amsp.planner.solve import plan_cluster
+        from amsp.startup_memory import planner_inputs
+
+        workload, cluster, options = planner_inputs(self.cfg, self.denv, self.device,
+                                                    getattr(self.planned, "cluster", None),
+                                                    getattr(self.planned, "options", None))
+        prior = CostModel(workload, cluster, options).evaluate(self.plan)
+        fit = rp.refit(workload, cluster, options, self.plan, measured)
+        cluster2, options2 = rp.refitted_inputs(cluster, options, fit)
+        current = CostModel(workload, cluster2, options2).evaluate(self.plan)
+        best = plan_cluster(workload, cluster2, options2, top_k=1, with_presets=False).chosen
+        decision = rp.decide(current, best, self.user_named)
+        switch = decision.switch and self.replan
+        why = decision.reason if decision.switch == switch else (
+            f"{decision.reason}, but amsp.planner.replan=false: report only")
+        err_t = rp.relative_error(prior.step_time_s, measured.step_s)
+        err_m = rp.relative_error(prior.memory_total - prior.memory.get("reserved", 0), measured.peak_bytes)
+        log.info("planner recheck after %d steps: step time measured %.4f s, predicted %.4f s (error %s); exposed "
+                 "communication measured %.4f s, predicted %.4f s; peak memory measured %.3f GiB, predicted %.3f GiB "
+                 "of tensors (error %s); refit: compute x%.3g, communication x%.3g",
+                 measured.steps, measured.step_s, prior.step_time_s, _pct(err_t), measured.exposed_comm_s,
+                 rp.comm_exposed_s(prior), measured.peak_bytes / _GIB,
+                 (prior.memory_total - prior.memory.get("reserved", 0)) / _GIB, _pct(err_m), fit.compute_scale,
+                 fit.comm_scale)
+        log.info("planner recheck: %s; refitted prediction %.4f s for %s, %.4f s for %s -> %s", why,
+                 current.step_time_s, current.plan, best.step_time_s, best.plan,
+                 f"switching to {best.plan} at the next checkpoint" if switch else f"keeping {self.plan}")
+        record = {"switch": switch, "reason": why, "user_named": self.user_named, "replan": self.replan,
+                  "old_plan": str(self.plan), "new_plan": str(best.plan) if switch else None,
+                  "measured": asdict(measured),
+                  "predicted_prior": _numbers(prior), "predicted_refit": _numbers(current),
+                  "best_refit": _numbers(best), "step_time_error": err_t, "memory_error": err_m,
+                  "refit": asdict(fit)}
+        self._write(record)
+        return {**record, "new_plan_object": best.plan if switch else None}
+
+    def _write(self, record: dict) -> None:
+        path = self.run_dir / "replan.json"
+        history = json.loads(path.read_text()) if path.exists() else []
+        history.append(record)
+        path.write_text(json.dumps(history, indent=2, default=str) + "\n")
+
+    # ---- the switch ----
+    def switch_due(self, step: int) -> bool:
+        """A pending switch happens at the next checkpoint (every step when checkpoints are off), never
+        after the last step."""
+        interval = self.cfg.trainer.checkpoint_interval
+        return self.pending is not None and step != self.cfg.trainer.max_steps and (
+            not interval or step % interval == 0)
+
+    def switch(self, engine, step: int, save: Callable[[int], None], ckpt, build: Callable, load: Callable):
+        """Checkpoint (unless the loop just wrote one at this step), rebuild with the pending plan,
+        load the checkpoint. Collective. Returns the new engine."""
+        interval = self.cfg.trainer.checkpoint_interval
+        if not (interval and step % interval == 0):
+            save(step)
+        ckpt.wait()
+        path = ckpt.root / ckpt.step_dir_name(step)
+        new_plan, self.pending = self.pending, None
+        if not (path / "meta.json").exists():  # a pretend world or non-finite weights wrote nothing
+            log.warning("planner: no checkpoint at step %d to switch plans through; keeping %s", step, engine.plan)
+            return engine
+        log.info("planner: switching from %s to %s at step %d through checkpoint %s", engine.plan, new_plan, step,
+                 path)
+        old = engine.plan
+        del engine  # the caller's reference still holds it until the new engine replaces it
+        new = build(new_plan)
+        load(path, new)
+        self.plan = new_plan
+        if self.denv.rank == 0:
+            self._annotate_switch(step, old, new_plan, path)
+        return new
+
+    def _annotate_switch(self, step: int, old, new, path: pathlib.Path) -> None:
+        file = self.run_dir / "replan.json"
+        history = json.loads(file.read_text()) if file.exists() else [{}]
+        history[-1].update({"switched_at_step": step, "checkpoint": str(path), "from": str(old), "to": str(new),
+                            "from_degrees": _degrees(old), "to_degrees": _degrees(new)})
+        file.write_text(json.dumps(history, indent=2, default=str) + "\n")
+
+
+def _numbers(cost) -> dict:
+    return {"plan": str(cost.plan), "step_time_s": cost.step_time_s, "compute_s": cost.compute_s,
+            "exposed_s": dict(cost.exposed_s), "memory_bytes": dict(cost.memory), "memory_total": cost.memory_total}
+
+
+def _degrees(plan) -> dict:
+    """The amsp.* overrides that name `plan` explicitly (to rerun it, or to continue it by hand)."""
+    b, e = plan.blocks, plan.embed_head
+    return {"p": b.p, "g": b.g, "os": b.os, "embed_head_p": e.p, "embed_head_g": e.g, "embed_head_os": e.os}
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.1%}"

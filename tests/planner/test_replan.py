@@ -1,0 +1,102 @@
+"""Re-planning from measurement (amsp/planner/replan.py): refit math, the >= 5% rule, user plans."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from amsp.plan import make_plan
+from amsp.planner import replan as rp
+from amsp.planner.cost_model import CostModel, Options
+from amsp.planner.solve import plan_cluster
+from tests.planner.planner_cases import flat_cluster, workload
+
+W = workload("debug", seq_len=64, mbs=2, micro_batches=2, precision="fp32")
+
+
+def slow_cluster():  # communication that compute cannot hide for zero3 of the debug model
+    return flat_cluster(1, 8, intra_gbps=0.5, latency_us=20.0, peak_tflops=1.0)
+
+
+def measured_on(truth_cluster, plan, options=Options()) -> rp.Measured:
+    """What a run would measure if `truth_cluster` were the real machine."""
+    c = CostModel(W, truth_cluster, options).evaluate(plan)
+    return rp.Measured(step_s=c.step_time_s, exposed_comm_s=rp.comm_exposed_s(c), peak_bytes=0.0, steps=10)
+
+
+def test_window_median_leaves_out_the_first_step():
+    assert rp.window_median([9.0, 1.0, 2.0, 3.0]) == 2.0
+    assert rp.window_median([9.0, 1.0, 2.0, 3.0], skip_first=False) == 2.5
+    with pytest.raises(ValueError, match="at least one step"):
+        rp.window_median([9.0])
+
+
+def test_scaled_cluster_scales_collectives_and_compute():
+    c = slow_cluster()
+    plan = make_plan("zero3", 8, 8)
+    base = CostModel(W, c, Options()).evaluate(plan)
+    slow = CostModel(W, rp.scaled_cluster(c, 10.0, 2.0), Options()).evaluate(plan)
+    assert sum(slow.comm_seconds().values()) == pytest.approx(10 * sum(base.comm_seconds().values()), rel=1e-9)
+    assert slow.compute_s == pytest.approx(2 * base.compute_s, rel=1e-9)
+    with pytest.raises(ValueError, match="positive"):
+        rp.scaled_cluster(c, 0.0)
+
+
+@pytest.mark.parametrize("comm, compute", [(10.0, 1.0), (0.1, 3.0), (25.0, 0.5)])
+def test_refit_reproduces_what_was_measured(comm, compute):
+    prior = slow_cluster()
+    plan = make_plan("zero3", 8, 8)
+    m = measured_on(rp.scaled_cluster(prior, comm, compute), plan)
+    fit = rp.refit(W, prior, Options(), plan, m)
+    c2, o2 = rp.refitted_inputs(prior, Options(), fit)
+    again = CostModel(W, c2, o2).evaluate(plan)
+    assert rp.comm_exposed_s(again) == pytest.approx(m.exposed_comm_s, rel=1e-3)
+    assert again.step_time_s == pytest.approx(m.step_s, rel=0.05)
+    assert fit.comm_scale == pytest.approx(comm, rel=0.05)
+
+
+def test_hidden_communication_leaves_the_links_alone():
+    fast = flat_cluster(1, 8, intra_gbps=1e4, peak_tflops=0.01)  # compute-bound: nothing exposed
+    plan = make_plan("ddp", 8, 8)
+    m = rp.Measured(step_s=2 * CostModel(W, fast, Options()).evaluate(plan).step_time_s, exposed_comm_s=0.0,
+                    peak_bytes=0.0, steps=5)
+    fit = rp.refit(W, fast, Options(), plan, m)
+    assert fit.comm_scale == 1.0 and fit.compute_scale > 1.5
+
+
+def _priced(step_s: float, plan_name: str):
+    cost = CostModel(W, slow_cluster(), Options()).evaluate(make_plan(plan_name, 8, 8))
+    return replace(cost, compute_s=cost.compute_s + step_s - cost.step_time_s)
+
+
+def test_decide_needs_five_percent_and_a_planner_plan():
+    current, better, marginal = _priced(1.0, "zero3"), _priced(0.94, "ddp"), _priced(0.96, "ddp")
+    assert rp.decide(current, better, user_named=False).switch
+    assert not rp.decide(current, marginal, user_named=False).switch
+    named = rp.decide(current, better, user_named=True)
+    assert not named.switch and "named by the user" in named.reason
+    same = rp.decide(current, _priced(0.5, "zero3"), user_named=False)
+    assert not same.switch and "still the best" in same.reason
+
+
+def test_wrong_prior_is_corrected_by_one_recheck():
+    """A prior 10x too optimistic about the links picks a plan; after one refit the re-solve picks
+    what the true machine's model picks."""
+    truth = slow_cluster()
+    prior = rp.scaled_cluster(truth, 0.1)
+    w = workload("tiny", seq_len=64, mbs=1, micro_batches=1, precision="fp32")
+    first = plan_cluster(w, prior, Options(), top_k=1, with_presets=False).plan
+    c = CostModel(w, truth, Options()).evaluate(first)
+    m = rp.Measured(c.step_time_s, rp.comm_exposed_s(c), 0.0, 10)
+    fit = rp.refit(w, prior, Options(), first, m)
+    c2, o2 = rp.refitted_inputs(prior, Options(), fit)
+    replanned = plan_cluster(w, c2, o2, top_k=1, with_presets=False).chosen
+    best_true = plan_cluster(w, truth, Options(), top_k=1, with_presets=False).chosen
+    achieved = CostModel(w, truth, Options()).evaluate(replanned.plan).step_time_s
+    assert achieved <= best_true.step_time_s * 1.02
+    assert fit.comm_scale == pytest.approx(10.0, rel=0.1)
+
+
+def test_relative_error():
+    assert rp.relative_error(1.1, 1.0) == pytest.approx(0.1)
+    assert rp.relative_error(1.0, 0.0) is None

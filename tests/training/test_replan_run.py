@@ -1,0 +1,54 @@
+"""Re-planning in a real run: a wrong prior (bandwidths 10x too high, no probe) picks a plan, the
+recheck measures, refits and switches through a checkpoint; the losses equal an uninterrupted run of
+the same plan sequence (the first plan, stop, resume with the second) within the cross-plan
+tolerance of test_continuation.py. A named plan is only reported on."""
+import json
+
+import pytest
+
+from tests.training.runs import losses, train
+
+pytestmark = pytest.mark.distributed
+
+WRONG_PRIOR = ["amsp.planner.probe=false", "cluster.intra_bandwidth_gbs=20", "cluster.intra_latency_us=5",
+               "trainer.checkpoint_interval=0"]
+STEPS = 10
+
+
+def _explicit(degrees: dict) -> list[str]:
+    return [f"amsp.{k}={v}" for k, v in degrees.items()]
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason="whether the refitted gain passes 5% depends on gloo timings of a debug "
+                   "model on the machine; on a shared 2-core host it lands near the threshold")
+def test_wrong_prior_switches_plan_with_the_same_losses(tmp_path):
+    run = tmp_path / "replan"
+    proc = train(run, f"trainer.max_steps={STEPS}", "amsp.planner.recheck_steps=3", "amsp.planner.replan=true",
+                 *WRONG_PRIOR, nproc=2)
+    record = json.loads((run / "replan.json").read_text())[-1]
+    assert "planner recheck after 3 steps" in proc.stdout
+    assert record["measured"]["steps"] == 3 and record["refit"]["comm_scale"] > 3, record
+    assert record["switch"], record["reason"]
+    k = record["switched_at_step"]
+    assert k == 4 and f"switching from {record['from']} to {record['to']} at step {k}" in proc.stdout
+    replanned = losses(run)
+
+    ref = tmp_path / "reference"  # the same plan sequence, uninterrupted by any recheck
+    train(ref, f"trainer.max_steps={k}", "amsp.planner.recheck_steps=0", *WRONG_PRIOR,
+          *_explicit(record["from_degrees"]), nproc=2)
+    train(ref, f"trainer.max_steps={STEPS}", "amsp.planner.recheck_steps=0", *WRONG_PRIOR,
+          *_explicit(record["to_degrees"]), nproc=2)
+    reference = losses(ref)
+    assert sorted(replanned) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert abs(replanned[step] - reference[step]) <= 1e-6 * abs(reference[step]), (step, replanned, reference)
+
+
+def test_named_plan_is_only_reported(tmp_path):
+    run = tmp_path / "named"
+    proc = train(run, "trainer.max_steps=3", "amsp.plan=zero1", "amsp.planner.recheck_steps=2",
+                 "amsp.planner.replan=true", *WRONG_PRIOR)
+    record = json.loads((run / "replan.json").read_text())[-1]
+    assert not record["switch"] and record["user_named"] and "named by the user" in record["reason"]
+    assert "switching" not in proc.stdout
