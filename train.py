@@ -25,15 +25,19 @@ from omegaconf import DictConfig, OmegaConf
 from amsp import control
 from amsp.checkpoint import CheckpointManager
 from amsp.errors import EXIT_INPUT, InputError, RunError, one_line_errors
+from amsp.init_from import init_weights_from
 from amsp.launch import DistEnv, init_distributed, log_backend_choices
 from amsp.metrics import MetricsLogger, StepTimer, resolve_peak
 from amsp.metrics.logger import drop_rows_after
+from amsp.metrics.plan_config import log_plan
 from amsp.metrics.plot import plot_run
 from amsp.metrics.wandb_logger import WandbLogger
 from amsp.build import engine_from_config, plan_from_config, topology_from
-from amsp.optim import WarmupCosine
+from amsp.optim import WarmupCosine, lr_floor
 from amsp.planner import plan_for_run
+from amsp.replan_switch import Replanner
 from amsp.startup_memory import build_or_explain_oom
+from amsp.batch_geometry import batch_geometry
 from amsp.resilience import Heartbeat, NaNInjector, PreemptionHandler, SkipGuard, TooManySkippedSteps, die_now
 from amsp.train_state import load_training_state, save_training_state
 from configs.schema import register_configs, to_llama_config
@@ -77,18 +81,6 @@ def resolve_run_dir(cfg: DictConfig) -> pathlib.Path:
 def set_threads(cfg: DictConfig, denv: DistEnv) -> None:
     n = cfg.trainer.threads or max(1, (os.cpu_count() or 1) // max(1, denv.local_world_size))
     torch.set_num_threads(n)
-
-
-def batch_geometry(cfg: DictConfig, dp: int) -> tuple[int, int]:
-    """(global batch in samples, micro-batches per rank per step)."""
-    gbs = cfg.trainer.global_batch_size
-    if cfg.trainer.global_batch_tokens:
-        gbs = cfg.trainer.global_batch_tokens // cfg.data.seq_len
-    mbs = cfg.trainer.micro_batch_size
-    if gbs % (mbs * dp):
-        raise ValueError(f"global batch {gbs} samples is not divisible by micro_batch_size={mbs} x "
-                         f"data-parallel ranks={dp}")
-    return gbs, gbs // (mbs * dp)
 
 
 def make_wandb(cfg: DictConfig, run_dir: pathlib.Path, rank: int, resume_id: str | None) -> WandbLogger:
@@ -146,7 +138,8 @@ def run(cfg: DictConfig) -> None:
     seq_len = cfg.data.seq_len
     if seq_len > model_cfg.max_seq_len:
         raise ValueError(f"data.seq_len={seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}")
-    gbs, accum = batch_geometry(cfg, denv.world_size)
+    geometry = batch_geometry(cfg, denv.world_size, announce=denv.is_main)  # rounded to whole micro-batches
+    gbs, accum = geometry.global_batch, geometry.accumulation
     mbs = cfg.trainer.micro_batch_size
     # The sharding plan is chosen (amsp.plan=auto: the partitioner, amsp/planner; probe, ILP, table in
     # RUN_DIR/plan.txt) or checked before anything is built: a broken rule is named right away.
@@ -156,6 +149,8 @@ def run(cfg: DictConfig) -> None:
         plan = planned.plan
     else:
         plan = plan_from_config(cfg.amsp, topology_from(cfg.amsp, denv))
+    # After amsp.planner.recheck_steps steps: measured vs predicted, refit, maybe a better plan (amsp/replan_switch.py).
+    replanner = Replanner(cfg, denv, device, planned, plan, run_dir)
     # Data first: every problem with files or the tokenizer surfaces before model state exists.
     data = build_data(cfg.data, seq_len=seq_len, seed=cfg.trainer.seed if cfg.data.seed is None else cfg.data.seed,
                       train_samples=cfg.trainer.max_steps * gbs, model_vocab_size=model_cfg.vocab_size)
@@ -163,7 +158,7 @@ def run(cfg: DictConfig) -> None:
              "frequencies)", data.unigram_entropy)
     # Checkpoints carry the config with the tokenizer they were trained with (a copy in the run
     # directory), so an export needs nothing but the run directory.
-    tokenizer_copy = run_dir / "tokenizer.model"
+    tokenizer_copy = run_dir / data.tokenizer.copy_name  # tokenizer.model | tokenizer.json | tokenizer.tiktoken
     if denv.is_main and not (tokenizer_copy.exists() and filecmp.cmp(data.tokenizer.model_file, tokenizer_copy,
                                                                       shallow=False)):
         shutil.copyfile(data.tokenizer.model_file, tokenizer_copy)
@@ -184,7 +179,8 @@ def run(cfg: DictConfig) -> None:
              "(%d micro-batches of %d per rank)", cfg.model.name, n_params / 1e6, fpt, seq_len, gbs, accum, mbs)
 
     o = cfg.optim
-    schedule = WarmupCosine(o.lr, o.min_lr, o.warmup_steps, o.decay_steps or cfg.trainer.max_steps)
+    schedule = WarmupCosine(o.lr, lr_floor(o.lr, o.min_lr, o.min_lr_ratio), o.warmup_steps,
+                            o.decay_steps or cfg.trainer.max_steps)
 
     # Resume: the latest checkpoint of this run directory, whatever plan or world size wrote it.
     # A damaged checkpoint falls back to the newest verified older one; a second live run is refused.
@@ -198,6 +194,8 @@ def run(cfg: DictConfig) -> None:
 
     loaded = ckpt.load_latest(load_checkpoint) if cfg.trainer.resume else None
     latest, meta = loaded if loaded is not None else (None, None)
+    # trainer.init_from: pretrained weights in place of the random init, unless this run resumes (amsp/init_from.py).
+    init_weights_from(engine, cfg.trainer.init_from, model_cfg, resumed_from=latest, rank=denv.rank)
     if latest is not None:
         start_step, skipped_total, wandb_id = meta["step"], meta.get("skipped_steps", 0), meta.get("wandb_run_id")
         train_loader.load_state_dict({"consumed_samples": meta["consumed_samples"]})
@@ -220,8 +218,8 @@ def run(cfg: DictConfig) -> None:
 
     tokens_per_step = gbs * seq_len
     wandb_run = make_wandb(cfg, run_dir, denv.rank, resume_id=wandb_id)
-    if planned is not None:
-        wandb_run.log_table("planner/plans", planned.columns, planned.rows)
+    # The plan in the run config (degrees, and the planner's prediction) and the planner's ranked table.
+    log_plan(wandb_run, engine.plan, cfg.amsp.plan, planned)
     metrics = make_metrics(cfg, denv, run_dir, device, dtype, tokens_per_step, fpt, wandb_run)
     if latest is not None and denv.is_main:  # rows of steps this run logs again would appear twice
         metrics.drop_after(start_step)
@@ -252,7 +250,7 @@ def run(cfg: DictConfig) -> None:
                 f.write(json.dumps({"step": step, "val_loss": loss}) + "\n")
             wandb_run.log_metrics({"val/loss": loss}, step=step)
 
-    step = start_step
+    step, signum = start_step, 0
     try:
         for step in range(start_step + 1, cfg.trainer.max_steps + 1):  # 1-based: step N is the Nth update
             heartbeat.beat(step)
@@ -274,11 +272,14 @@ def run(cfg: DictConfig) -> None:
             timer.lap("optimizer")
             skips.record(result.skipped, step, result.grad_norm)
 
-            metrics.record_step(timer.end_step(), comm=engine.comm_stats().as_metrics())
+            timings = timer.end_step()
+            metrics.record_step(timings, comm=engine.comm_stats().as_metrics())
+            replanner.observe(timings, engine.comm_stats().exposed_s)
             if step % cfg.trainer.log_interval == 0 or step == cfg.trainer.max_steps:
                 # The mean over ranks is needed only here: one control-plane value per log step.
                 loss = control.all_reduce_sum_floats([loss_sum.item() / accum])[0] / denv.world_size
-                metrics.log(step, loss=loss, lr=lr, grad_norm=result.grad_norm, skipped_steps=skips.total)
+                metrics.log(step, loss=loss, lr=lr, grad_norm=result.grad_norm, skipped_steps=skips.total,
+                            tokens_seen=train_loader.state_dict()["consumed_samples"] * seq_len)
             if skips.exhausted:
                 save(step)  # skipped updates changed nothing: this is the last good state
                 ckpt.wait()
@@ -293,6 +294,11 @@ def run(cfg: DictConfig) -> None:
             if cfg.trainer.checkpoint_interval and step % cfg.trainer.checkpoint_interval == 0 \
                     and step != cfg.trainer.max_steps:
                 save(step)
+            if replanner.switch_due(step):  # a plan predicted >= 5% faster: through a checkpoint, as a resume
+                engine = replanner.switch(engine, step, save, ckpt, build=lambda p: engine_from_config(
+                    cfg.amsp, cfg.optim, cfg.trainer.dtype, model_cfg, denv, device, cfg.trainer.seed, plan=p,
+                    compile=cfg.model.compile), load=lambda path, e: load_training_state(ckpt, path, e))
+                nan_injector = NaNInjector(engine.model, list(cfg.debug.nan_loss_at_steps))
             if cfg.trainer.val_interval and step % cfg.trainer.val_interval == 0:
                 validate(step)
         else:
@@ -318,6 +324,8 @@ def run(cfg: DictConfig) -> None:
         log.info("metrics plot: %s", plot_run(run_dir))
     if dist.is_initialized():
         dist.destroy_process_group()
+    if signum:  # stopped by a signal, checkpoint written: submitit's own handler (if any) requeues the job
+        preemption.hand_over(signum)
 
 
 @torch.no_grad()

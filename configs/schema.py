@@ -37,10 +37,14 @@ class DataConfig:
     seq_len: int = 256
     # One preprocessed dataset (PREFIX.bin/.idx from python -m data.preprocess) ...
     prefix: Optional[str] = None
-    # ... or several with weights: [[0.7, PREFIX1], [0.3, PREFIX2]]. Neither: the built-in corpus.
-    blend: Optional[List[Any]] = None
-    tokenizer: Optional[str] = None  # sentencepiece .model the datasets were made with
+    # ... or several with weights: [[0.7, PREFIX1], [0.3, PREFIX2]], or Megatron's "0.7 PREFIX1 0.3 PREFIX2"
+    # (a string or a flat list). Neither: the built-in corpus.
+    blend: Optional[Any] = None
+    tokenizer: Optional[str] = None  # what the datasets were made with: .model, tokenizer.json (or its folder), tiktoken file
     split: List[float] = field(default_factory=lambda: [98.0, 2.0])  # train/validation by documents
+    # The validation documents are a random sample of each dataset drawn with this seed (independent of
+    # trainer.seed, so seed sweeps validate on the same documents).
+    split_seed: int = 1234
     valid_samples: int = 256  # size of the validation set (samples of seq_len + 1 tokens)
     seed: Optional[int] = None  # sample order seed; None = trainer.seed
     pad_vocab_multiple: int = 128  # tokenizer vocabulary padded to this multiple must fit model.vocab_size
@@ -52,7 +56,10 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     lr: float = 1e-3
-    min_lr: float = 1e-4
+    # The cosine's floor: min_lr if set, else lr x min_lr_ratio (the recipes' "decay to 10% of the
+    # peak", which then follows an optim.lr override).
+    min_lr: Optional[float] = 1e-4
+    min_lr_ratio: Optional[float] = None
     warmup_steps: int = 20
     decay_steps: Optional[int] = None  # None = trainer.max_steps
     weight_decay: float = 0.1
@@ -69,6 +76,9 @@ class TrainerConfig:
     micro_batch_size: int = 8
     global_batch_size: int = 16  # samples per optimizer step, across all data-parallel ranks
     global_batch_tokens: Optional[int] = None  # if set, overrides global_batch_size via data.seq_len
+    # A global batch that does not split into micro-batches on every rank is rounded to the nearest
+    # whole number per rank (logged), so the defaults run on any world size; false = an error.
+    round_global_batch: bool = True
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # compute dtype: auto (fp32 on CPU, bf16 on CUDA) | fp32 | bf16
@@ -81,6 +91,9 @@ class TrainerConfig:
     keep_last_checkpoints: int = 3
     async_checkpoint: bool = False  # write in a background thread while training goes on
     resume: bool = True
+    # Start a fresh run (step 0, fresh optimizer) from these weights: a Hugging Face model folder or a
+    # checkpoint of this project (step_N or a run directory). Ignored when the run directory resumes.
+    init_from: Optional[str] = None
     val_interval: int = 0  # steps between validation passes; 0 = only at the end
     val_samples: int = 64  # validation samples per pass (whole global rounds only)
     max_consecutive_skips: int = 5  # non-finite steps in a row before the run stops
@@ -117,15 +130,27 @@ class PlannerConfig:
     spreads may be in flight amsp.spread_window (the engine's)."""
     probe: bool = True  # measure collective bandwidths on the real ranks at startup (else the preset)
     probe_cache: bool = True  # reuse a probe cached for the same cluster shape
+    probe_budget_s: float = 4.0  # seconds of collectives the probe may spend; sizes stop growing there
+    probe_max_mib: int = 256  # largest message the probe tries (64 KiB x 4^k up to this)
+    # time one block's forward/backward, the head and the overlap slowdown on the real device at
+    # startup (compute_profile.py) instead of FLOPs at `mfu`; cached like the probe
+    measure_compute: bool = True
     cache_dir: Optional[str] = None  # None: $AMSP_CACHE_DIR/probe (default ~/.cache/amsp/probe)
     mfu: float = 0.45  # assumed hardware FLOP utilisation of the compute (recomputation counted)
-    memory_margin: float = 0.08  # fraction of device memory kept free (allocator fragmentation)
-    reserved_gib: float = 1.0  # runtime context, workspaces, kernels
+    memory_margin: float = 0.08  # allocator reserve: fragmentation, as a fraction of the peak tensor bytes
+    reserved_gib: float = 1.0  # runtime outside the allocator: CUDA context, workspaces, kernels
     tp: int = 1  # fixed tensor-parallel degree (model parallelism plugs in later)
     pp: int = 1  # fixed pipeline-parallel degree
-    overlap_slowdown: float = 0.1  # compute seconds lost per second of communication hidden behind it
+    # compute seconds lost per second of communication hidden behind it; None: measured at startup,
+    # else the cluster preset's cluster.overlap_slowdown
+    overlap_slowdown: Optional[float] = None
     top_k: int = 10  # alternatives shown in the table
     time_limit_s: float = 20.0  # CBC wall-clock limit
+    # After this many steps the run compares measured step time and memory with the prediction, logs
+    # the error, refits the model's constants and re-solves (amsp/replan_switch.py); 0 = never.
+    recheck_steps: int = 20
+    # Switch to a plan predicted >= 5% faster at the next checkpoint (only a plan the planner chose).
+    replan: bool = False
 
 
 @dataclass
@@ -171,6 +196,7 @@ class ClusterConfig:
     intra_bandwidth_gbs: float = 2.0
     inter_latency_us: float = 50.0
     inter_bandwidth_gbs: float = 2.0
+    overlap_slowdown: float = 0.1  # compute seconds lost per second of hidden communication
 
 
 @dataclass

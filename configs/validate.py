@@ -62,10 +62,12 @@ RULES: tuple[Rule, ...] = (
     int_at_least("data.pad_vocab_multiple", 1),
     int_at_least("data.prefetch", 0),
     int_at_least("data.seed", 0, optional=True),
+    int_at_least("data.split_seed", 0),
     Rule("data.split", "two finite numbers >= 0 (train, validation) with a positive train share",
          lambda v: len(v) == 2 and all(_number(x) and x >= 0 for x in v) and v[0] > 0),
     finite_at_least("optim.lr", 0, strict=True),
-    finite_at_least("optim.min_lr", 0),
+    finite_at_least("optim.min_lr", 0, optional=True),
+    Rule("optim.min_lr_ratio", "a number in [0, 1]", lambda v: _number(v) and 0 <= v <= 1, True),
     int_at_least("optim.warmup_steps", 0),
     int_at_least("optim.decay_steps", 1, optional=True),
     finite_at_least("optim.weight_decay", 0),
@@ -105,8 +107,11 @@ RULES: tuple[Rule, ...] = (
     finite_at_least("amsp.planner.reserved_gib", 0),
     int_at_least("amsp.planner.tp", 1),
     int_at_least("amsp.planner.pp", 1),
-    finite_at_least("amsp.planner.overlap_slowdown", 0),
+    finite_at_least("amsp.planner.overlap_slowdown", 0, optional=True),
     int_at_least("amsp.planner.top_k", 1),
+    finite_at_least("amsp.planner.probe_budget_s", 0, strict=True),
+    int_at_least("amsp.planner.probe_max_mib", 1),
+    int_at_least("amsp.planner.recheck_steps", 0),
     finite_at_least("amsp.planner.time_limit_s", 0, strict=True),
     int_at_least("debug.die_at_step", 1, optional=True),
     int_at_least("debug.die_rank", 0),
@@ -147,4 +152,13 @@ def _cross_field_problems(cfg: DictConfig) -> list[str]:
     lr, min_lr = OmegaConf.select(cfg, "optim.lr"), OmegaConf.select(cfg, "optim.min_lr")
     if _number(lr) and lr > 0 and _number(min_lr) and min_lr > lr:  # a bad lr is reported on its own
         out.append(f"optim.min_lr={min_lr} is not allowed: expected at most optim.lr={lr}")
+    if min_lr is None and OmegaConf.select(cfg, "optim.min_lr_ratio") is None:
+        out.append("optim.min_lr and optim.min_lr_ratio are both null: set one (the cosine schedule's floor)")
+    init_from = OmegaConf.select(cfg, "trainer.init_from", default=None)
+    if init_from is not None:  # a path that is neither an HF folder nor a checkpoint: named before any state
+        from amsp.init_from import source_problem
+
+        problem = source_problem(str(init_from))
+        if problem:
+            out.append(problem)
     return out
