@@ -1,5 +1,7 @@
 """Peak FLOP/s resolution (measured CPU peak with its disk cache, GPU table, override) and StepTimer."""
-import os
+import pathlib
+import subprocess
+import sys
 import time
 
 import pytest
@@ -85,17 +87,30 @@ def test_step_timer_phases_accumulate_and_sum_below_step():
             pass
 
 
-def test_cpu_peak_memory_is_rss_and_grows():
-    before = peak_memory_bytes(torch.device("cpu"))
-    assert before > 10 * 2**20  # a Python process with torch loaded holds more than 10 MiB
-    # The peak is a high-water mark: earlier tests in this process may have set it well above the
-    # current RSS, so allocate enough to pass it by 64 MiB.
-    with open("/proc/self/statm") as f:
-        current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    big = torch.ones((max(0, before - current) + 64 * 2**20) // 4)  # touched
-    after = peak_memory_bytes(torch.device("cpu"))
-    del big
-    assert after >= before + 32 * 2**20
+_PEAK_PROBE = """
+import torch
+from amsp.metrics.memory import peak_memory_bytes, reset_cpu_peak
+cpu = torch.device("cpu")
+MiB = 2**20
+reset_cpu_peak()
+before = peak_memory_bytes(cpu)
+assert before > 10 * MiB, before  # a Python process with torch loaded holds more than 10 MiB
+big = torch.ones(128 * MiB // 4)  # touched, and above glibc's mmap threshold: fresh resident pages
+grown = peak_memory_bytes(cpu)
+assert grown >= before + 100 * MiB, (before, grown)
+del big
+assert peak_memory_bytes(cpu) >= grown - MiB  # a high-water mark: freeing does not lower it
+reset_cpu_peak()
+assert peak_memory_bytes(cpu) <= grown - 100 * MiB  # the reset restarts it from the current RSS
+print("ok")
+"""
+
+
+def test_cpu_peak_memory_is_this_process_hwm_and_resets():
+    # A fresh process: the high-water mark of this pytest process depends on every earlier test.
+    out = subprocess.run([sys.executable, "-c", _PEAK_PROBE], capture_output=True, text=True, timeout=120,
+                         cwd=pathlib.Path(__file__).resolve().parents[2])
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
 @pytest.mark.gpu
