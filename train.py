@@ -272,9 +272,9 @@ def run(cfg: DictConfig) -> None:
             timer.lap("optimizer")
             skips.record(result.skipped, step, result.grad_norm)
 
-            timings = timer.end_step()
-            metrics.record_step(timings, comm=engine.comm_stats().as_metrics())
-            replanner.observe(timings, engine.comm_stats().exposed_s)
+            timings, comm = timer.end_step(), engine.comm_stats()
+            metrics.record_step(timings, comm=comm.as_metrics())
+            replanner.observe(timings, comm.exposed_s)
             if step % cfg.trainer.log_interval == 0 or step == cfg.trainer.max_steps:
                 # The mean over ranks is needed only here: one control-plane value per log step.
                 loss = control.all_reduce_sum_floats([loss_sum.item() / accum])[0] / denv.world_size

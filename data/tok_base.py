@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from abc import ABCMeta, abstractmethod
 from typing import Iterable, Sequence
 
 from data.errors import DataError
@@ -27,7 +28,7 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
-class _LoadsBackend(type):
+class _LoadsBackend(ABCMeta):
     # Tokenizer(path) keeps working for callers written before there were several backends: calling
     # the interface itself loads the backend the file needs; a backend class constructs normally.
     def __call__(cls, *args, **kwargs):
@@ -50,26 +51,30 @@ class Tokenizer(metaclass=_LoadsBackend):
     unk_id: int = -1
 
     @property
+    @abstractmethod
     def vocab_size(self) -> int:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def encode(self, text: str) -> list[int]:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def encode_batch(self, texts: Sequence[str], add_eos: bool = False, threads: int = 1) -> list[list[int]]:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def decode(self, ids: Iterable[int]) -> str:
-        raise NotImplementedError
+        ...
 
     def fingerprint(self) -> str:
         """sha256 identifying the tokenizer a dataset was made with."""
         return file_sha256(self.model_file)
 
+    @abstractmethod
     def hf_tokenizer(self):
         """A `tokenizers.Tokenizer` whose encode(text, add_special_tokens=False) equals encode(text)
         (models/llama/hf.py writes it as the exported tokenizer.json)."""
-        raise NotImplementedError
 
     def padded_vocab_size(self, multiple: int) -> int:
         if multiple < 1:
