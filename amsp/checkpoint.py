@@ -123,6 +123,11 @@ def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+def verified_checkpoints(root: Path) -> list[Path]:
+    """The verified step directories under `root` (a run's checkpoints/), newest first."""
+    return sorted((p for p in root.glob(STEP_PREFIX + "*") if (p / VERIFIED).is_file()), reverse=True)
+
+
 class CheckpointManager:
     """Save / find / load checkpoints under RUN_DIR/checkpoints with a `latest` pointer."""
 
@@ -179,7 +184,7 @@ class CheckpointManager:
 
     def verified(self) -> list[Path]:
         """Verified checkpoints, newest first."""
-        return sorted((p for p in self.root.glob(STEP_PREFIX + "*") if (p / VERIFIED).is_file()), reverse=True)
+        return verified_checkpoints(self.root)
 
     @staticmethod
     def step_dir_name(step: int) -> str:

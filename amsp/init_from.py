@@ -47,12 +47,10 @@ class WeightSource:
 # ---- finding what PATH is ----
 
 def _newest_verified_step(path: pathlib.Path) -> pathlib.Path | None:
-    from .checkpoint import STEP_PREFIX
-    from .checkpoint_verify import VERIFIED
+    from .checkpoint import verified_checkpoints
 
     for root in (path / "checkpoints", path):
-        steps = sorted((p for p in root.glob(STEP_PREFIX + "*") if (p / VERIFIED).is_file() and
-                        (p / ".metadata").is_file()), reverse=True)
+        steps = [p for p in verified_checkpoints(root) if (p / ".metadata").is_file()]
         if steps:
             return steps[0]
     return None
