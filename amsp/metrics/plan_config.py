@@ -8,7 +8,6 @@ preset's, or the bandwidth probe's). The partitioner's ranked alternatives go to
 """
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING, Any
 
 from amsp.plan import UNIT_GROUPS, Plan
@@ -22,8 +21,6 @@ PLANS_TABLE = "planner/plans"
 # Chosen-plan columns of the planner's table copied into the config (name in the config: column).
 PREDICTED = {"step_time_s": "step_time_s", "memory_gib_per_rank": "mem_total_gib",
              "tokens_per_s_per_gpu": "tokens_per_s_per_gpu", "mfu": "mfu", "exposed_comm_s": "exposed_s"}
-# cluster.describe()'s first line names the source of the bandwidth figures (planner/cluster.py).
-_BANDWIDTH_SOURCE = re.compile(r"bandwidths from ([\w-]+)")
 
 
 def plan_summary(plan: Plan, setting: str, planned: PlanOutcome | None = None) -> dict[str, Any]:
@@ -42,10 +39,8 @@ def plan_summary(plan: Plan, setting: str, planned: PlanOutcome | None = None) -
     if (chosen["blocks_p"], chosen["blocks_g"], chosen["blocks_os"]) != tuple(out["blocks"].values()):
         raise ValueError(f"the planner's rank-1 row ({chosen['plan']}) is not the plan the run uses ({plan})")
     out["predicted"] = {name: chosen[col] for name, col in PREDICTED.items()}
-    cluster_line = planned.table.splitlines()[0] if planned.table else ""
-    m = _BANDWIDTH_SOURCE.search(cluster_line)
-    out["cluster"] = cluster_line
-    out["bandwidth_source"] = m.group(1) if m else None
+    out["cluster"] = planned.table.splitlines()[0] if planned.table else ""
+    out["bandwidth_source"] = planned.cluster.source  # preset | alpha-beta | probe | cache (planner/cluster.py)
     out["alternatives"] = len(rows)
     return out
 

@@ -149,7 +149,7 @@ def _planned(plan, step_time_s=1.25, rows=2):
     other = make_plan("ddp", 4, 2)
     table = ("cluster cpu: 2 node(s) x 2 ranks, 8.0 GiB/device, peak 1 TFLOP/s (fp32), bandwidths from probe "
              "(bus GB/s by per-rank chunk; inter = per node), hidden ...\n  intra ...")
-    return SimpleNamespace(plan=plan, table=table, columns=list(COLUMNS),
+    return SimpleNamespace(plan=plan, table=table, columns=list(COLUMNS), cluster=SimpleNamespace(source="probe"),
                            rows=[row(1, plan)] + [row(i + 2, other) for i in range(rows - 1)])
 
 
