@@ -178,7 +178,8 @@ class Comm:
     def all_reduce(self, t: torch.Tensor, ranks: tuple[int, ...], phase: str) -> Handle:
         self._check(ranks)
         self._record(phase, "all_reduce", t.numel() * t.element_size(), ranks)
-        group = None if len(ranks) == self.topo.world else process_group(ranks)
+        whole_world = len(ranks) == (dist.get_world_size() if dist.is_initialized() else self.topo.world)
+        group = None if whole_world else process_group(ranks)
         with data_plane():
             work = dist.all_reduce(t, group=group, async_op=True)
         return Handle(self, work, phase)

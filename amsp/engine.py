@@ -36,6 +36,7 @@ from .flat_unit import FlatUnit, ParamSlot
 from .fragments import Fragment, load_fragment, unit_fragments
 from .groups import ensure_groups, unit_groups
 from .optim import decays
+from .parallel.tp_slices import TPSlot, tp_slot_of
 from .plan import Plan, validate_degrees
 from .schedule import Precision, Unit
 from .sharded_optim import AdamWSettings, ShardedAdamW, StepResult
@@ -66,6 +67,23 @@ def resolve_grad_comm(name: str, compute_dtype: torch.dtype) -> torch.dtype:
     return table[name]
 
 
+@dataclass
+class ModelParts:
+    """What of the model this rank's engine holds: a pipeline stage (or several virtual stages, each a
+    `chunk`), on a model built on the meta device that may already be tensor-parallel (DTensor
+    parameters). Default: the whole model, built by the engine."""
+
+    model: Llama
+    embed: bool = True
+    layers: list[int] | None = None  # None: every layer
+    head: bool = True
+    # Virtual pipeline stages on this rank: chunk index per layer (and for the embedding / head). A
+    # backward of one chunk is one micro-batch for that chunk's units. None: one chunk.
+    chunk_of_layer: dict[int, int] | None = None
+    embed_chunk: int = 0
+    head_chunk: int = 0
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     precision: str = "auto"  # auto | fp32 | bf16 (compute weights and communication)
@@ -90,8 +108,16 @@ class EngineOptions:
 
 class AMSPEngine:
     def __init__(self, model_cfg: LlamaConfig, plan: Plan, topo: Topology, rank: int, *, seed: int = 0,
-                 device: torch.device | str = "cpu", options: EngineOptions = EngineOptions()):
-        self.cfg, self.plan, self.topo, self.rank = model_cfg, plan, topo, rank
+                 device: torch.device | str = "cpu", options: EngineOptions = EngineOptions(),
+                 parts: ModelParts | None = None, mesh=None):
+        """`topo` is the data-parallel group the plan shards over; with model parallelism pass the
+        ParallelMesh (amsp/parallel/mesh.py) too: then topo must be mesh.dp_topology(rank), the plan's
+        degrees refer to that group, and `parts` says which (TP-local) parameters this rank holds."""
+        if mesh is not None and topo != mesh.dp_topology(rank):
+            raise ValueError(f"with a mesh the engine's topology must be the rank's DP group "
+                             f"{mesh.dp_topology(rank)}, got {topo}")
+        self.cfg, self.plan, self.topo, self.rank, self.mesh = model_cfg, plan, topo, rank, mesh
+        self.position = topo.position(rank)  # rank inside the data-parallel group
         self.device = torch.device(device)
         self.options = options
         # Rules first: nothing is allocated for an invalid plan.
@@ -102,15 +128,21 @@ class AMSPEngine:
         self.compute_dtype = dtype
         self.grad_dtype = resolve_grad_comm(options.grad_comm, dtype)
         self.precision = Precision(param_bytes=dtype.itemsize, grad_bytes=self.grad_dtype.itemsize)
-        ensure_groups([plan.blocks, plan.embed_head], topo)
+        ensure_groups([plan.blocks, plan.embed_head], mesh.dp_topologies() if mesh is not None else topo)
         self.comm = Comm(topo, rank)
-        with torch.device("meta"):
-            self.model = Llama(model_cfg)
+        if parts is None:
+            with torch.device("meta"):
+                parts = ModelParts(Llama(model_cfg))
+        self.parts = parts
+        self.model = parts.model
         self.units = self._build_units(dtype)
         self._materialise(seed)
-        self.optim = ShardedAdamW(self.units, options.optim, self.comm)
+        world = tuple(range(mesh.world)) if mesh is not None else None
+        self.optim = ShardedAdamW(self.units, options.optim, self.comm, norm_ranks=world)
         self._fwd_order = self.units
         self._bwd_order = sorted(self.units, key=lambda u: self._module_pos[id(u.modules[-1])], reverse=True)
+        self._chunk = {id(u): c for u, c in zip(self.units, self._unit_chunks)}
+        self._pipeline: dict | None = None  # begin_microbatches(): {"expected": n, "seen": {chunk: k}}
         self._install_hooks()
         self._last_stats = CommStats()
         self._micro_state: dict | None = None  # per backward: last flag, unit pipeline
@@ -121,21 +153,30 @@ class AMSPEngine:
         self._log_choices()
 
     # ---- construction ----
-    def _unit_specs(self) -> list[tuple[str, str, list[nn.Module]]]:
-        m = self.model
-        specs = [(f"layers.{i}", "blocks", [blk]) for i, blk in enumerate(m.layers)]
-        if self.cfg.tie_embeddings:
+    def _unit_specs(self) -> list[tuple[str, str, list[nn.Module], int]]:
+        """(unit name, plan group, modules, chunk) in forward order, for the parts this rank holds."""
+        m, parts = self.model, self.parts
+        layers = range(len(m.layers)) if parts.layers is None else parts.layers
+        chunk_of = parts.chunk_of_layer or {}
+        specs = [(f"layers.{i}", "blocks", [m.layers[i]], chunk_of.get(i, 0)) for i in layers]
+        if self.cfg.tie_embeddings and (parts.embed or parts.head):
+            if not (parts.embed and parts.head and parts.embed_chunk == parts.head_chunk):
+                raise ValueError("tied embeddings need the embedding and the head in the same pipeline stage; "
+                                 "set model.tie_embeddings=false for pipeline parallelism")
             # The head projects with tok_embeddings.weight: one unit, gathered from the embedding's
             # forward to the head's, so both uses see the same buffer and one gradient.
-            return [("embed_head", "embed_head", [m.tok_embeddings, m.head])] + specs
-        return [("tok_embeddings", "embed_head", [m.tok_embeddings])] + specs + [("head", "embed_head", [m.head])]
+            return [("embed_head", "embed_head", [m.tok_embeddings, m.head], parts.embed_chunk)] + specs
+        head = [("head", "embed_head", [m.head], parts.head_chunk)] if parts.head else []
+        embed = [("tok_embeddings", "embed_head", [m.tok_embeddings], parts.embed_chunk)] if parts.embed else []
+        return embed + specs + head
 
     def _build_units(self, dtype: torch.dtype) -> list[FlatUnit]:
         names = {id(mod): n for n, mod in self.model.named_modules()}
         order = [self.model.tok_embeddings, *self.model.layers, self.model.head]
         self._module_pos = {id(mod): i for i, mod in enumerate(order)}
-        units, seen = [], set()
-        for uname, grp, modules in self._unit_specs():
+        units, seen, self._unit_chunks = [], set(), []
+        for uname, grp, modules, chunk in self._unit_specs():
+            self._unit_chunks.append(chunk)
             slots, offset = [], 0
             for mod in modules:
                 for full_name, p in mod.named_parameters(prefix=names[id(mod)]):
@@ -143,16 +184,19 @@ class AMSPEngine:
                         continue
                     owner_name, _, attr = full_name.rpartition(".")
                     owner = self.model.get_submodule(owner_name)
-                    slots.append(ParamSlot(full_name, owner, attr, p.shape, offset, decays(full_name, p)))
+                    tp = tp_slot_of(p)
+                    shape = p.shape if tp is None else tp.local_shape
+                    slots.append(ParamSlot(full_name, owner, attr, shape, offset, decays(full_name, p), tp))
                     seen.add(full_name)
-                    offset += p.numel()
+                    offset += shape.numel()
             deg = self.plan.for_group(grp)
             groups = unit_groups(deg, self.topo, self.rank)
-            units.append(FlatUnit(uname, grp, modules, slots, deg, groups, self.rank, self.topo.world, dtype,
+            units.append(FlatUnit(uname, grp, modules, slots, deg, groups, self.position, self.topo.world, dtype,
                                   self.grad_dtype, self.device, self.comm))
-        missing = {n for n, _ in self.model.named_parameters()} - seen
-        if missing:
-            raise RuntimeError(f"parameters in no unit: {sorted(missing)}")
+        held = {n for mod in (mod for *_, mods, _c in self._unit_specs() for mod in mods)
+                for n, _ in mod.named_parameters(prefix=names[id(mod)])}
+        if held - seen:
+            raise RuntimeError(f"parameters in no unit: {sorted(held - seen)}")
         return units
 
     def _materialise(self, seed: int) -> None:
@@ -162,7 +206,13 @@ class AMSPEngine:
         start = time.perf_counter()
 
         def fill(slot: ParamSlot, lo: int, hi: int, out: torch.Tensor) -> None:
-            init_slice_into(self.cfg, slot.name, slot.shape, lo, hi, seed, out)
+            if slot.tp is None:
+                init_slice_into(self.cfg, slot.name, slot.shape, lo, hi, seed, out)
+                return
+            # A TP shard: the full parameter's values at the global positions of the local elements.
+            for local, glob, n in slot.tp.global_runs(lo, hi):
+                init_slice_into(self.cfg, slot.name, slot.tp.global_shape, glob, glob + n, seed,
+                                out[local - lo:local - lo + n])
 
         for u in self.units:
             u.fill_shards(fill)
@@ -179,16 +229,22 @@ class AMSPEngine:
             log.info("initialised rank 0's shards (%d elements, P shards + separate fp32 masters) on %s in %.2fs",
                      held, self.device, time.perf_counter() - start)
 
+    def _next_in_chunk(self, order: list[FlatUnit], i: int) -> FlatUnit | None:
+        """The unit after order[i] in the same chunk (virtual stage): prefetching across chunks would
+        gather a unit that the schedule may run many micro-batches later."""
+        if i + 1 < len(order) and self._chunk[id(order[i + 1])] == self._chunk[id(order[i])]:
+            return order[i + 1]
+        return None
+
     def _install_hooks(self) -> None:
         for i, u in enumerate(self._fwd_order):
-            nxt = self._fwd_order[i + 1] if i + 1 < len(self._fwd_order) else None
+            nxt = self._next_in_chunk(self._fwd_order, i)
             for j, mod in enumerate(u.modules):
                 mod.register_forward_pre_hook(partial(self._pre_forward, u, nxt if j == 0 else None))
                 mod.register_forward_hook(partial(self._post_forward, u, j == len(u.modules) - 1))
             for s in u.slots:
                 u.param(s).register_post_accumulate_grad_hook(partial(self._grad_ready, u))
-        self._bwd_next = {id(u): (self._bwd_order[i + 1] if i + 1 < len(self._bwd_order) else None)
-                          for i, u in enumerate(self._bwd_order)}
+        self._bwd_next = {id(u): self._next_in_chunk(self._bwd_order, i) for i, u in enumerate(self._bwd_order)}
 
     def _log_choices(self) -> None:
         if self.rank != 0:
@@ -249,10 +305,35 @@ class AMSPEngine:
         if last:
             u.free()
 
+    def _state_of(self, u: FlatUnit, starting: bool = False) -> dict:
+        """The micro-batch state a unit's backward belongs to. forward_backward() makes one for the whole
+        model; under a pipeline schedule (begin_microbatches) each chunk's backward is one micro-batch of
+        that chunk, its state made when the chunk's first unit starts its backward."""
+        if self._pipeline is None:
+            if self._micro_state is None:
+                raise RuntimeError("AMSP: backward outside engine.forward_backward() or begin_microbatches() "
+                                   "is not supported")
+            return self._micro_state
+        c = self._chunk[id(u)]
+        states = self._pipeline["states"]
+        if c not in states:
+            if not starting:
+                raise RuntimeError(f"AMSP: unit {u.name} got a gradient before its backward started")
+            seen = self._pipeline["seen"].get(c, 0)
+            if seen >= self._pipeline["expected"]:
+                raise RuntimeError(f"AMSP: more than {self._pipeline['expected']} backward passes through "
+                                   f"pipeline chunk {c} in one step")
+            units = [x for x in self.units if self._chunk[id(x)] == c]
+            states[c] = self._new_micro_state(seen == self._pipeline["expected"] - 1, units)
+        return states[c]
+
+    @staticmethod
+    def _new_micro_state(last: bool, units: list[FlatUnit]) -> dict:
+        return {"last": last, "bwd_started": set(), "done": set(), "pipeline": [], "units": units,
+                "waiting": {id(u): len(u.slots) for u in units}, "stage": {id(u): 0 for u in units}}
+
     def _pre_backward(self, u: FlatUnit, grad_output) -> None:
-        st = self._micro_state
-        if st is None:
-            raise RuntimeError("AMSP: backward outside engine.forward_backward() is not supported")
+        st = self._state_of(u, starting=True)
         first = id(u) not in st["bwd_started"]
         st["bwd_started"].add(id(u))
         u.wait_gather("backward")
@@ -261,7 +342,7 @@ class AMSPEngine:
             nxt.start_gather("backward")
 
     def _grad_ready(self, u: FlatUnit, param) -> None:
-        st = self._micro_state
+        st = self._state_of(u)
         left = st["waiting"][id(u)] - 1
         st["waiting"][id(u)] = left
         if left:
@@ -271,33 +352,52 @@ class AMSPEngine:
         u.free()  # gradients are complete: the recompute (if any) is over, the buffer can go
         u.launch_grad_reduce(flat)
         if not self.options.async_grad_reduce:
-            self._micro_state["pipeline"].append(u)
-            self._advance(u, 2 if st["last"] else 1)
+            st["pipeline"].append(u)
+            self._advance(st, u, 2 if st["last"] else 1)
             if st["last"]:
                 u.finish_sync()
-            return
-        # Double buffering: complete the previous unit's reduce-scatter (launched one unit ago,
-        # normally finished by now) and move the last micro-batch's sync one stage on.
-        pipe = st["pipeline"]
-        if pipe:
-            self._advance(pipe[-1], 1)
-        if st["last"] and len(pipe) >= 2:
-            self._advance(pipe[-2], 2)
-        pipe.append(u)
+        else:
+            # Double buffering: complete the previous unit's reduce-scatter (launched one unit ago,
+            # normally finished by now) and move the last micro-batch's sync one stage on.
+            pipe = st["pipeline"]
+            if pipe:
+                self._advance(st, pipe[-1], 1)
+            if st["last"] and len(pipe) >= 2:
+                self._advance(st, pipe[-2], 2)
+            pipe.append(u)
+        if self._pipeline is not None and len(st["done"]) == len(st["units"]):
+            self._end_chunk_backward(self._chunk[id(u)], st)
 
-    def _advance(self, u: FlatUnit, stage: int) -> None:
+    def _drain(self, st: dict) -> None:
+        """After a micro-batch's backward: every reduce-scatter into the G shards done, and on the last
+        micro-batch every unit's sync launched."""
+        not_done = [u.name for u in st["units"] if id(u) not in st["done"]]
+        if not_done:
+            raise RuntimeError(f"AMSP: units {not_done} got no complete gradient in this backward")
+        for u in st["pipeline"]:
+            self._advance(st, u, 1)
+        if st["last"]:
+            for u in st["pipeline"]:
+                self._advance(st, u, 2)
+
+    def _end_chunk_backward(self, chunk: int, st: dict) -> None:
+        self._drain(st)
+        del self._pipeline["states"][chunk]
+        self._pipeline["seen"][chunk] = self._pipeline["seen"].get(chunk, 0) + 1
+
+    def _advance(self, st: dict, u: FlatUnit, stage: int) -> None:
         """Stages: 0 G reduce-scatter launched; 1 added to the G shard (+ G->OS launched on the last
         micro-batch); 2 OS-replica all-reduce launched (last micro-batch only)."""
-        st = self._micro_state["stage"]
-        while st[id(u)] < stage:
-            s = st[id(u)]
+        stages = st["stage"]
+        while stages[id(u)] < stage:
+            s = stages[id(u)]
             if s == 0:
                 u.finish_grad_reduce()
-                if self._micro_state["last"]:
+                if st["last"]:
                     u.launch_os_reduce()
             elif s == 1:
                 u.launch_replica_reduce()
-            st[id(u)] = s + 1
+            stages[id(u)] = s + 1
 
     # ---- training API ----
     def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, micro_index: int,
@@ -309,29 +409,46 @@ class AMSPEngine:
             raise ValueError(f"micro_index {micro_index} outside [0, {num_micro})")
         if self._synced_last:
             raise RuntimeError("AMSP: the last micro-batch already ran; call step() before the next one")
+        if self._pipeline is not None:
+            raise RuntimeError("AMSP: forward_backward() inside begin_microbatches(); the pipeline schedule "
+                               "runs the micro-batches")
         last = micro_index == num_micro - 1
-        self._micro_state = {"last": last, "bwd_started": set(), "done": set(), "pipeline": [],
-                             "waiting": {id(u): len(u.slots) for u in self.units},
-                             "stage": {id(u): 0 for u in self.units}}
+        self._micro_state = self._new_micro_state(last, self.units)
         try:
             loss = self.model(tokens.to(self.device), targets.to(self.device))
             # Each rank's micro-batch mean, scaled so the sum over ranks and micro-batches is the
             # mean over the global batch.
             (loss * (1.0 / (num_micro * self.topo.world))).backward()
-            pipe = self._micro_state["pipeline"]
-            not_done = [u.name for u in self.units if id(u) not in self._micro_state["done"]]
-            if not_done:
-                raise RuntimeError(f"AMSP: units {not_done} got no complete gradient in this backward")
-            for u in pipe:
-                self._advance(u, 1)
-            if last:
-                for u in pipe:
-                    self._advance(u, 2)
+            self._drain(self._micro_state)
         finally:
             self._micro_state = None
         self._accumulating = True
         self._synced_last = last
         return loss.detach()
+
+    def begin_microbatches(self, num_micro: int) -> None:
+        """For a pipeline schedule that runs forwards and backwards itself: from now until
+        end_microbatches(), each backward through a chunk's units is one micro-batch of that chunk, and
+        its num_micro-th runs the chunk's gradient sync. The caller scales each micro-batch loss by
+        1 / (num_micro * data-parallel size)."""
+        if num_micro < 1:
+            raise ValueError(f"num_micro must be >= 1, got {num_micro}")
+        if self._pipeline is not None or self._accumulating:
+            raise RuntimeError("AMSP: begin_microbatches() in the middle of a step")
+        self._pipeline = {"expected": num_micro, "seen": {}, "states": {}}
+
+    def end_microbatches(self) -> None:
+        """After the schedule: every chunk ran exactly num_micro complete backward passes."""
+        pipe, self._pipeline = self._pipeline, None
+        if pipe is None:
+            raise RuntimeError("AMSP: end_microbatches() without begin_microbatches()")
+        chunks = sorted(set(self._unit_chunks))
+        short = {c: pipe["seen"].get(c, 0) for c in chunks if pipe["seen"].get(c, 0) != pipe["expected"]}
+        if short or pipe["states"]:
+            raise RuntimeError(f"AMSP: pipeline chunks ran {short or 'incomplete'} backward passes, expected "
+                               f"{pipe['expected']} each")
+        self._accumulating = True
+        self._synced_last = True
 
     def step(self, lr: float) -> StepResult:
         """Wait for the gradient sync, AdamW on the OS shards, then spread the new weights."""

@@ -24,6 +24,7 @@ from .collectives import Comm, Handle
 from .flat_buffer import ShardLayout
 from .groups import UnitGroups
 from .plan import Degrees
+from .parallel.tp_slices import TPSlot
 
 
 @dataclass
@@ -34,6 +35,15 @@ class ParamSlot:
     shape: torch.Size
     offset: int  # start in the unit's flat buffer
     decays: bool
+    # Tensor parallelism (amsp/parallel/tp_slices.py): the unit holds the rank's local shard (`shape` is the
+    # local shape); the parameter is installed as a DTensor over that view with the same placement.
+    tp: "TPSlot | None" = None
+
+    @property
+    def norm_counted(self) -> bool:
+        """Whether this rank's copy counts in the global gradient norm: a parameter replicated over a TP
+        group holds the same gradient on each of its ranks, so only TP rank 0 counts it."""
+        return self.tp is None or not self.tp.replicated or self.tp.tp_rank == 0
 
     @property
     def numel(self) -> int:
@@ -60,7 +70,9 @@ class FlatUnit:
             self.master = torch.empty(lay.chunk, dtype=torch.float32, device=device)
         self.exp_avg = torch.zeros(lay.chunk, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros(lay.chunk, dtype=torch.float32, device=device)
-        self.decay_segments = self._decay_segments()
+        self.decay_segments = self._segments_where(lambda slot: slot.decays)
+        # OS-local ranges left out of the gradient norm (TP-replicated copies on TP ranks other than 0)
+        self.norm_excluded = self._segments_where(lambda slot: not slot.norm_counted)
         self.replicas = world // deg.os  # ranks holding the same OS shard
         if deg.p > 1:
             self.full = torch.empty(lay.padded, dtype=compute_dtype, device=device)
@@ -81,12 +93,13 @@ class FlatUnit:
         self.version = 0  # optimizer steps whose result this unit's p_shard holds
 
     # ---- construction ----
-    def _decay_segments(self) -> list[tuple[int, int]]:
-        """[start, end) ranges, local to the OS shard, of parameters that take weight decay."""
+    def _segments_where(self, keep: Callable[[ParamSlot], bool]) -> list[tuple[int, int]]:
+        """[start, end) ranges, local to the OS shard, of the parameters `keep` selects (e.g. those that
+        take weight decay)."""
         segs = []
         for s in self.slots:
             lo, hi = max(s.offset, self.os_lo), min(s.offset + s.numel, self.os_hi)
-            if s.decays and lo < hi:
+            if keep(s) and lo < hi:
                 segs.append((lo - self.os_lo, hi - self.os_lo))
         return segs
 
@@ -111,6 +124,8 @@ class FlatUnit:
         """Replace each (meta) parameter by a Parameter viewing the unit's gathered buffer."""
         for s in self.slots:
             view = self.full[s.offset:s.offset + s.numel].view(s.shape)
+            if s.tp is not None:
+                view = _as_dtensor(view, s.tp)
             setattr(s.module, s.attr, nn.Parameter(view, requires_grad=True))
 
     def param(self, slot: ParamSlot) -> nn.Parameter:
@@ -153,7 +168,8 @@ class FlatUnit:
             p = self.param(s)
             if p.grad is None:
                 raise RuntimeError(f"{s.name} received no gradient in this backward")
-            flat[s.offset:s.offset + s.numel].copy_(p.grad.reshape(-1))
+            grad = p.grad if s.tp is None else _local_grad(p.grad, s.tp)
+            flat[s.offset:s.offset + s.numel].copy_(grad.reshape(-1))
             p.grad = None
             end = s.offset + s.numel
         flat[end:].zero_()
@@ -262,3 +278,29 @@ class FlatUnit:
     @property
     def spread_pending(self) -> bool:
         return self._spread is not None
+
+
+def _as_dtensor(view: torch.Tensor, tp: TPSlot) -> torch.Tensor:
+    """A DTensor whose local tensor is the view itself (no copy, same storage), so the gathered buffer's
+    free/refill reaches it as it reaches plain parameter views."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        return DTensor.from_local(view, tp.mesh, tp.placements, run_check=False, shape=tp.global_shape,
+                                  stride=torch.empty(tp.global_shape, device="meta").stride())
+
+
+def _local_grad(grad: torch.Tensor, tp: TPSlot) -> torch.Tensor:
+    """The rank's piece of a DTensor gradient in the parameter's own placement. A replicated weight used
+    on sequence-parallel activations gets a Partial gradient (each rank summed over its own positions):
+    it is reduced over the TP group here, before the data-parallel reduction."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(grad, DTensor):
+        return grad
+    if tuple(grad.placements) != tuple(tp.placements):
+        from ..routing_check import data_plane
+
+        with data_plane():
+            grad = grad.redistribute(tp.mesh, tp.placements)
+    return grad.to_local()

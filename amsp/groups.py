@@ -53,18 +53,24 @@ def group_lists(deg: Degrees, topo: Topology) -> dict[str, list[tuple[int, ...]]
     }
 
 
-def ensure_groups(degrees: list[Degrees], topo: Topology) -> None:
-    """Create (collectively, in a fixed order) every group of size > 1 these degrees need."""
+def ensure_groups(degrees: list[Degrees], topo: Topology | list[Topology]) -> None:
+    """Create (collectively, in a fixed order) every group of size > 1 these degrees need.
+
+    With model parallelism pass every data-parallel group's topology (ParallelMesh.dp_topologies()):
+    dist.new_group is collective over the whole world, so each rank also creates the groups of the
+    DP groups it is not in, in the same order as everybody else."""
+    topos = topo if isinstance(topo, list) else [topo]
+    world = sum(t.world for t in topos)
     if not dist.is_initialized():
-        if topo.world != 1:
-            raise RuntimeError(f"a plan over {topo.world} ranks needs torch.distributed initialised")
+        if world != 1:
+            raise RuntimeError(f"a plan over {world} ranks needs torch.distributed initialised")
         return
-    if dist.get_world_size() != topo.world:
-        raise RuntimeError(f"topology says {topo.world} ranks but the process group has {dist.get_world_size()}")
+    if dist.get_world_size() != world:
+        raise RuntimeError(f"topology says {world} ranks but the process group has {dist.get_world_size()}")
     if _CACHE_WORLD and _CACHE_WORLD[0] != id(dist.group.WORLD):
         _CACHE.clear()  # a new default process group (tests re-initialise): old groups are dead
     _CACHE_WORLD[:] = [id(dist.group.WORLD)]
-    new = [ranks for deg in degrees for groups in group_lists(deg, topo).values() for ranks in groups
+    new = [ranks for t in topos for deg in degrees for groups in group_lists(deg, t).values() for ranks in groups
            if len(ranks) > 1 and ranks not in _CACHE]
     if not new:
         return

@@ -74,8 +74,12 @@ def _segments(chunk: int, decay: list[tuple[int, int]]) -> list[tuple[int, bool]
 
 
 class ShardedAdamW:
-    def __init__(self, units: list[FlatUnit], settings: AdamWSettings, comm: Comm, kernel: str = "auto"):
+    def __init__(self, units: list[FlatUnit], settings: AdamWSettings, comm: Comm, kernel: str = "auto",
+                 norm_ranks: tuple[int, ...] | None = None):
         self.units, self.s, self.comm = units, settings, comm
+        # The ranks whose gradients make up the model's: the data-parallel group, or the whole world
+        # when tensor/pipeline parallelism splits the parameters further (amsp.parallel.mesh).
+        self.norm_ranks = norm_ranks or getattr(comm.topo, "members", None) or tuple(range(comm.topo.world))
         self.steps = 0  # applied updates (skipped steps do not count, as in torch)
         device = units[0].device
         if kernel not in KERNELS:
@@ -95,7 +99,12 @@ class ShardedAdamW:
         self._runs = [_segments(u.layout.chunk, u.decay_segments) for u in units]
         self._state = [tuple(self._split(t, runs) for t in (u.master, u.exp_avg, u.exp_avg_sq))
                        for u, runs in zip(units, self._runs)]
-        self._inv_replicas = torch.tensor([1.0 / u.replicas for u in units], dtype=torch.float32, device=device)
+        # The gradient norm reads, per unit, the runs of its OS gradient that count (all of it unless some
+        # parameters are TP-replicated copies counted on another rank): lengths fixed, so weights too.
+        self._norm_runs = [_segments(u.layout.chunk, u.norm_excluded) for u in units]
+        self._inv_replicas = torch.tensor([1.0 / u.replicas for u, runs in zip(units, self._norm_runs)
+                                           for _, excluded in runs if not excluded],
+                                          dtype=torch.float32, device=device)
         self._step_t = torch.zeros((), dtype=torch.float32, device=device)  # the kernel reads the step here
 
     @staticmethod
@@ -104,10 +113,14 @@ class ShardedAdamW:
 
     def _global_sq_norm(self) -> torch.Tensor:
         """Sum over the world of squared OS-gradient norms (each shard once), on the device, shape (1,)."""
-        norms = torch._foreach_norm([u.os_grad for u in self.units])
-        total = (torch.stack(norms).square() * self._inv_replicas).sum().reshape(1)
-        if self.comm.topo.world > 1:
-            self.comm.all_reduce(total, tuple(range(self.comm.topo.world)), "grad_norm").wait()
+        counted = [g for u, runs in zip(self.units, self._norm_runs)
+                   for g, (_, excluded) in zip(self._split(u.os_grad, runs), runs) if not excluded]
+        if counted:
+            total = (torch.stack(torch._foreach_norm(counted)).square() * self._inv_replicas).sum().reshape(1)
+        else:  # every element this rank holds is counted on another rank
+            total = torch.zeros(1, dtype=torch.float32, device=self._step_t.device)
+        if len(self.norm_ranks) > 1:
+            self.comm.all_reduce(total, self.norm_ranks, "grad_norm").wait()
         return total
 
     def _lists(self, decay: bool) -> tuple[list, list, list, list]:

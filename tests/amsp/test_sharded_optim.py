@@ -46,7 +46,7 @@ def _units(replicas: int = 1, seed: int = 0) -> list:
         else:
             master = torch.randn(chunk, generator=g)
         units.append(types.SimpleNamespace(
-            device=torch.device("cpu"), layout=types.SimpleNamespace(chunk=chunk), decay_segments=segs,
+            device=torch.device("cpu"), layout=types.SimpleNamespace(chunk=chunk), decay_segments=segs, norm_excluded=[],
             master=master, exp_avg=torch.zeros(chunk), exp_avg_sq=torch.zeros(chunk), replicas=replicas,
             os_grad=None))
     return units
@@ -109,6 +109,18 @@ def test_equals_torch_adamw_with_clipping(kernel, replicas):
         ref = torch.cat(pieces)
         err = ((u.master - ref).norm() / ref.norm()).item()
         assert err <= 1e-6, f"{kernel}: master rel err {err:.2e}"
+
+
+def test_norm_leaves_out_tp_replicated_copies():
+    """Elements a TP rank holds as a copy of what TP rank 0 counts (norm_excluded) stay out of its norm."""
+    units = _units()
+    units[1].norm_excluded = [(3, 10)]
+    grads = _grads(0)
+    opt = ShardedAdamW(units, AdamWSettings(grad_clip=0.0), _comm(1, 1), kernel="foreach")
+    for u, grad in zip(units, grads):
+        u.os_grad = grad.clone()
+    kept = torch.cat([grads[0], grads[1][:3], grads[1][10:], *grads[2:]])
+    assert opt.step(1e-3).grad_norm == pytest.approx(kept.norm().item(), rel=1e-6)
 
 
 @pytest.mark.parametrize("kernel", ["fused", "foreach"])
