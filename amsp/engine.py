@@ -186,7 +186,9 @@ class AMSPEngine:
                     owner = self.model.get_submodule(owner_name)
                     tp = tp_slot_of(p)
                     shape = p.shape if tp is None else tp.local_shape
-                    slots.append(ParamSlot(full_name, owner, attr, shape, offset, decays(full_name, p), tp))
+                    tp_copy = (tp.replicated if tp is not None else self.mesh is not None and self.mesh.tp > 1)
+                    counted = not tp_copy or self.mesh.coords(self.rank).tp == 0
+                    slots.append(ParamSlot(full_name, owner, attr, shape, offset, decays(full_name, p), tp, counted))
                     seen.add(full_name)
                     offset += shape.numel()
             deg = self.plan.for_group(grp)

@@ -38,12 +38,10 @@ class ParamSlot:
     # Tensor parallelism (amsp/parallel/tp_slices.py): the unit holds the rank's local shard (`shape` is the
     # local shape); the parameter is installed as a DTensor over that view with the same placement.
     tp: "TPSlot | None" = None
-
-    @property
-    def norm_counted(self) -> bool:
-        """Whether this rank's copy counts in the global gradient norm: a parameter replicated over a TP
-        group holds the same gradient on each of its ranks, so only TP rank 0 counts it."""
-        return self.tp is None or not self.tp.replicated or self.tp.tp_rank == 0
+    # Whether this rank's copy counts in the global gradient norm: a parameter replicated over a TP group
+    # (a Replicate DTensor, or a plain tensor when the model is tensor-parallel elsewhere) holds the same
+    # gradient on each of the group's ranks, so only TP rank 0 counts it.
+    norm_counted: bool = True
 
     @property
     def numel(self) -> int:
