@@ -47,11 +47,14 @@ def precision_from_config(amsp_cfg, trainer_dtype: str) -> str:
 
 
 def engine_from_config(amsp_cfg, optim_cfg, trainer_dtype: str, model_cfg: LlamaConfig, denv: DistEnv,
-                       device: torch.device, seed: int, plan: Plan | None = None, compile: str = "auto") -> AMSPEngine:
+                       device: torch.device, seed: int, plan: Plan | None = None, compile: str = "auto",
+                       mesh=None, parts=None) -> AMSPEngine:
     """Build the engine; `plan` overrides the config's (the partitioner passes its choice here);
-    `compile` is model.compile (auto|on|off), applied to the built model's blocks (amsp/compile.py)."""
+    `compile` is model.compile (auto|on|off), applied to the built model's blocks (amsp/compile.py).
+    With model parallelism, `mesh` (amsp/parallel/mesh.py) and this rank's `parts` (its TP-local stage):
+    the plan then shards over the rank's DP group."""
     resolve_compile(compile, device)  # an invalid value fails before anything is allocated
-    topo = topology_from(amsp_cfg, denv)
+    topo = topology_from(amsp_cfg, denv) if mesh is None else mesh.dp_topology(denv.rank)
     plan = plan or plan_from_config(amsp_cfg, topo)
     o = optim_cfg
     options = EngineOptions(precision=precision_from_config(amsp_cfg, trainer_dtype), grad_comm=amsp_cfg.grad_comm,
@@ -59,6 +62,16 @@ def engine_from_config(amsp_cfg, optim_cfg, trainer_dtype: str, model_cfg: Llama
                             prefetch=bool(amsp_cfg.prefetch),
                             optim=AdamWSettings(betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                                                 grad_clip=o.grad_clip))
-    engine = AMSPEngine(model_cfg, plan, topo, denv.rank, seed=seed, device=device, options=options)
+    engine = AMSPEngine(model_cfg, plan, topo, denv.rank, seed=seed, device=device, options=options,
+                        mesh=mesh, parts=parts)
+    if mesh is not None and (mesh.tp > 1 or mesh.pp > 1) and compile != "off":
+        # torch.compile of blocks holding DTensor parameters, or driven by a pipeline schedule, is not
+        # something this project has measured; refuse "on" rather than run it unproven.
+        if compile == "on":
+            raise ValueError("model.compile=on is not supported with parallel.tp > 1 or parallel.pp > 1; "
+                             "set model.compile=auto or off")
+        if denv.rank == 0:
+            log.info("model.compile=auto: off under model parallelism (tp=%d, pp=%d)", mesh.tp, mesh.pp)
+        return engine
     apply_compile(engine.model, compile, device)
     return engine

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
+from typing import Callable, ContextManager
 
 import torch
 import torch.nn as nn
@@ -82,6 +84,9 @@ class ModelParts:
     chunk_of_layer: dict[int, int] | None = None
     embed_chunk: int = 0
     head_chunk: int = 0
+    # Entered around every forward and backward the engine runs: tensor parallelism's loss_parallel()
+    # (a cross-entropy over vocabulary-sharded logits needs it in both passes).
+    loss_context: Callable[[], ContextManager] = nullcontext
 
 
 @dataclass(frozen=True)
@@ -417,16 +422,17 @@ class AMSPEngine:
         last = micro_index == num_micro - 1
         self._micro_state = self._new_micro_state(last, self.units)
         try:
-            loss = self.model(tokens.to(self.device), targets.to(self.device))
-            # Each rank's micro-batch mean, scaled so the sum over ranks and micro-batches is the
-            # mean over the global batch.
-            (loss * (1.0 / (num_micro * self.topo.world))).backward()
+            with self.parts.loss_context():
+                loss = self.model(tokens.to(self.device), targets.to(self.device))
+                # Each rank's micro-batch mean, scaled so the sum over ranks and micro-batches is the
+                # mean over the global batch.
+                (loss * (1.0 / (num_micro * self.topo.world))).backward()
             self._drain(self._micro_state)
         finally:
             self._micro_state = None
         self._accumulating = True
         self._synced_last = last
-        return loss.detach()
+        return _plain(loss.detach())
 
     def begin_microbatches(self, num_micro: int) -> None:
         """For a pipeline schedule that runs forwards and backwards itself: from now until
@@ -482,9 +488,10 @@ class AMSPEngine:
         gathers are not booked to any training step."""
         if self._accumulating:
             raise RuntimeError("AMSP: evaluate() in the middle of a step; call it after step()")
-        loss = self.model(tokens.to(self.device), targets.to(self.device))
+        with self.parts.loss_context():
+            loss = self.model(tokens.to(self.device), targets.to(self.device))
         self.comm.close_step()  # validation traffic is not part of a training step
-        return loss.detach()
+        return _plain(loss.detach())
 
     def comm_stats(self) -> CommStats:
         """Communication of the last completed step (bytes booked at launch, blocked wait time)."""
@@ -534,3 +541,9 @@ class AMSPEngine:
         self._start_spread()
         self.finish_spread()
         self.comm.close_step()  # loading traffic is not part of a training step
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """A loss computed under loss_parallel() is a replicated DTensor: the caller gets its local value."""
+    to_local = getattr(loss, "to_local", None)
+    return to_local() if to_local is not None else loss

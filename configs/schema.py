@@ -139,8 +139,10 @@ class PlannerConfig:
     mfu: float = 0.45  # assumed hardware FLOP utilisation of the compute (recomputation counted)
     memory_margin: float = 0.08  # allocator reserve: fragmentation, as a fraction of the peak tensor bytes
     reserved_gib: float = 1.0  # runtime outside the allocator: CUDA context, workspaces, kernels
-    tp: int = 1  # fixed tensor-parallel degree (model parallelism plugs in later)
-    pp: int = 1  # fixed pipeline-parallel degree
+    # Model-parallel degrees the planner prices the DP group under: a training run takes them from
+    # parallel.tp / parallel.pp; set here for `python -m amsp.planner` what-ifs.
+    tp: int = 1
+    pp: int = 1
     # compute seconds lost per second of communication hidden behind it; None: measured at startup,
     # else the cluster preset's cluster.overlap_slowdown
     overlap_slowdown: Optional[float] = None
@@ -200,6 +202,22 @@ class ClusterConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Model parallelism beside AMSP (amsp/parallel/): the AMSP plan (amsp.*) then shards each rank's
+    TP-local, stage-local parameters over its data-parallel group of world / (tp * pp) ranks."""
+    tp: int = 1  # tensor-parallel degree; divides the ranks per node (TP groups stay inside a node)
+    pp: int = 1  # pipeline stages
+    sequence_parallel: bool = True  # TP: norms and residual stream split over the sequence (needs seq_len % tp == 0)
+    loss_parallel: bool = True  # TP: cross-entropy on vocabulary-sharded logits (full logits never built)
+    schedule: str = "1f1b"  # pipeline schedule: 1f1b | interleaved | gpipe | zb
+    virtual_stages: int = 1  # stages per rank for interleaved schedules
+    layer_split: Optional[List[int]] = None  # layers per (virtual) stage; None: balanced, embedding and head weighted
+    # The joint planner (amsp/planner/joint) chooses tp, pp, the layer split, the micro-batch size and the
+    # AMSP degrees at startup; needs amsp.plan=auto.
+    auto: bool = False
+
+
+@dataclass
 class DebugConfig:
     # Fault injection, to exercise the recovery paths end to end (tests, cluster drills).
     nan_loss_at_steps: List[int] = field(default_factory=list)  # 1-based steps whose loss is NaN
@@ -221,6 +239,7 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     amsp: AMSPConfig = field(default_factory=AMSPConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
 

@@ -54,10 +54,13 @@ def plan_for_run(cfg: DictConfig, denv, device: torch.device | str = "cpu",
     """Choose the plan for this run. Collective when the world has several ranks."""
     device = torch.device(device)
     p = planner_config(cfg)
-    if p.tp * p.pp != 1:
-        raise ValueError(f"amsp.planner.tp={p.tp} / pp={p.pp}: the engine runs data parallelism only, so a "
-                         f"training run plans with tp = pp = 1; model-parallel degrees are for "
-                         f"`python -m amsp.planner` what-ifs until model parallelism lands")
+    tp, pp = (int(OmegaConf.select(cfg, f"parallel.{k}", default=1)) for k in ("tp", "pp"))
+    if (p.tp, p.pp) != (tp, pp) and (p.tp, p.pp) != (1, 1):
+        raise ValueError(f"amsp.planner.tp/pp={p.tp}/{p.pp} contradict parallel.tp/pp={tp}/{pp}; a training run "
+                         f"plans under parallel.tp / parallel.pp (amsp.planner.tp/pp are for planner what-ifs)")
+    if (tp, pp) != (1, 1):  # the AMSP plan is for each rank's DP group under these model-parallel degrees
+        cfg = OmegaConf.merge(cfg, {"amsp": {"planner": {"tp": tp, "pp": pp}}})
+        p = planner_config(cfg)
     r = ranks_per_node(cfg, denv.local_world_size)
     topo = Topology(denv.world_size, r)
     points = None
