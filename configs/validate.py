@@ -113,6 +113,12 @@ RULES: tuple[Rule, ...] = (
     int_at_least("amsp.planner.probe_max_mib", 1),
     int_at_least("amsp.planner.recheck_steps", 0),
     finite_at_least("amsp.planner.time_limit_s", 0, strict=True),
+    int_at_least("parallel.tp", 1),
+    int_at_least("parallel.pp", 1),
+    one_of("parallel.schedule", "1f1b", "interleaved", "gpipe", "zb"),
+    int_at_least("parallel.virtual_stages", 1),
+    Rule("parallel.layer_split", "a list of integers >= 1 (layers per stage)",
+         lambda v: isinstance(v, list) and len(v) >= 1 and all(_int(x) and x >= 1 for x in v), optional=True),
     int_at_least("debug.die_at_step", 1, optional=True),
     int_at_least("debug.die_rank", 0),
     int_at_least("debug.stop_at_step", 1, optional=True),
@@ -154,6 +160,7 @@ def _cross_field_problems(cfg: DictConfig) -> list[str]:
         out.append(f"optim.min_lr={min_lr} is not allowed: expected at most optim.lr={lr}")
     if min_lr is None and OmegaConf.select(cfg, "optim.min_lr_ratio") is None:
         out.append("optim.min_lr and optim.min_lr_ratio are both null: set one (the cosine schedule's floor)")
+    out += _parallel_problems(cfg)
     init_from = OmegaConf.select(cfg, "trainer.init_from", default=None)
     if init_from is not None:  # a path that is neither an HF folder nor a checkpoint: named before any state
         from amsp.init_from import source_problem
@@ -161,4 +168,43 @@ def _cross_field_problems(cfg: DictConfig) -> list[str]:
         problem = source_problem(str(init_from))
         if problem:
             out.append(problem)
+    return out
+
+
+def _parallel_problems(cfg: DictConfig) -> list[str]:
+    """parallel.* against the model and the batch: what can be known before any process group exists."""
+    p = OmegaConf.select(cfg, "parallel")
+    if p is None or not all(_int(OmegaConf.select(p, k)) and OmegaConf.select(p, k) >= 1
+                            for k in ("tp", "pp", "virtual_stages")):
+        return []  # missing, or already reported by its rule
+    out = []
+    n_layers = OmegaConf.select(cfg, "model.n_layers")
+    stages = p.pp * p.virtual_stages
+    split = OmegaConf.select(p, "layer_split")
+    if split is not None and _int(n_layers):
+        split = list(split)
+        if len(split) != stages or sum(split) != n_layers:
+            out.append(f"parallel.layer_split={split} is not allowed: expected {stages} stage sizes (pp x "
+                       f"virtual_stages) summing to model.n_layers={n_layers}")
+    elif _int(n_layers) and stages > n_layers:
+        out.append(f"parallel.pp={p.pp} x parallel.virtual_stages={p.virtual_stages} is not allowed: more "
+                   f"stages than model.n_layers={n_layers}")
+    if p.virtual_stages > 1 and p.schedule not in ("interleaved", "zb"):
+        out.append(f"parallel.virtual_stages={p.virtual_stages} is not allowed with parallel.schedule={p.schedule}: "
+                   f"virtual stages need an interleaved schedule (interleaved | zb)")
+    if p.auto and OmegaConf.select(cfg, "amsp.plan") != "auto":
+        out.append("parallel.auto=true is not allowed with a named amsp.plan: the joint planner chooses the AMSP "
+                   "degrees too (set amsp.plan=auto)")
+    if p.tp > 1:
+        for key in ("n_heads", "n_kv_heads", "vocab_size"):
+            v = OmegaConf.select(cfg, f"model.{key}")
+            if _int(v) and v % p.tp:
+                out.append(f"parallel.tp={p.tp} is not allowed: model.{key}={v} is not divisible by it")
+        seq = OmegaConf.select(cfg, "data.seq_len")
+        if p.sequence_parallel and _int(seq) and seq % p.tp:
+            out.append(f"parallel.sequence_parallel=true is not allowed with data.seq_len={seq}: not divisible "
+                       f"by parallel.tp={p.tp} (set parallel.sequence_parallel=false)")
+    if p.pp > 1 and OmegaConf.select(cfg, "model.tie_embeddings"):
+        out.append("parallel.pp > 1 is not allowed with model.tie_embeddings=true: the embedding and the head "
+                   "live on different stages")
     return out

@@ -52,6 +52,24 @@ def test_bad_value_is_one_line_naming_key_value_and_allowed(key, value, allowed)
     assert "\n" not in msg and msg.startswith(f"{key}=") and allowed in msg, msg
 
 
+@pytest.mark.parametrize("overrides, words", [
+    ({"parallel.schedule": "1f1b", "parallel.virtual_stages": 2}, "need an interleaved schedule"),
+    ({"parallel.pp": 2, "parallel.layer_split": [1, 2]}, "summing to model.n_layers"),
+    ({"parallel.tp": 3}, "model.n_heads=4 is not divisible"),
+    ({"parallel.tp": 2, "data.seq_len": 255}, "set parallel.sequence_parallel=false"),
+    ({"parallel.auto": True, "amsp.plan": "zero3"}, "set amsp.plan=auto"),
+    ({"parallel.pp": 2, "model.tie_embeddings": True}, "different stages"),
+])
+def test_parallel_settings_checked_against_model_and_batch(overrides, words):
+    cfg = default_cfg()
+    cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.n_layers = 4, 2, 4
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key, value, force_add=False)
+    with pytest.raises(ConfigError, match=words) as err:
+        validate_config(cfg)
+    assert "\n" not in str(err.value)
+
+
 def test_several_problems_reported_together_and_cross_field_rule():
     cfg = default_cfg()
     cfg.trainer.micro_batch_size = 0
