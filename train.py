@@ -34,6 +34,7 @@ from amsp.metrics.plot import plot_run
 from amsp.metrics.wandb_logger import WandbLogger
 from amsp.build import engine_from_config, plan_from_config, topology_from
 from amsp.optim import WarmupCosine, lr_floor
+from amsp.parallel.setup import mesh_from_config, model_parts
 from amsp.planner import plan_for_run
 from amsp.replan_switch import Replanner
 from amsp.startup_memory import build_or_explain_oom
@@ -138,7 +139,11 @@ def run(cfg: DictConfig) -> None:
     seq_len = cfg.data.seq_len
     if seq_len > model_cfg.max_seq_len:
         raise ValueError(f"data.seq_len={seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}")
-    geometry = batch_geometry(cfg, denv.world_size, announce=denv.is_main)  # rounded to whole micro-batches
+    # Model parallelism (parallel.tp / parallel.pp): the mesh owns every group; the batch splits over the
+    # DP groups only (a TP group and a pipeline read the same samples). None: data parallelism alone.
+    mesh = mesh_from_config(cfg, denv)
+    dp_rank, dp_world = mesh.data_shard(denv.rank) if mesh is not None else (denv.rank, denv.world_size)
+    geometry = batch_geometry(cfg, dp_world, announce=denv.is_main)  # rounded to whole micro-batches
     gbs, accum = geometry.global_batch, geometry.accumulation
     mbs = cfg.trainer.micro_batch_size
     # The sharding plan is chosen (amsp.plan=auto: the partitioner, amsp/planner; probe, ILP, table in
@@ -148,7 +153,7 @@ def run(cfg: DictConfig) -> None:
         planned = plan_for_run(cfg, denv, device, run_dir if denv.is_main else None)
         plan = planned.plan
     else:
-        plan = plan_from_config(cfg.amsp, topology_from(cfg.amsp, denv))
+        plan = plan_from_config(cfg.amsp, topology_from(cfg.amsp, denv) if mesh is None else mesh.dp_topology(denv.rank))
     # After amsp.planner.recheck_steps steps: measured vs predicted, refit, maybe a better plan (amsp/replan_switch.py).
     replanner = Replanner(cfg, denv, device, planned, plan, run_dir)
     # Data first: every problem with files or the tokenizer surfaces before model state exists.
@@ -164,14 +169,21 @@ def run(cfg: DictConfig) -> None:
         shutil.copyfile(data.tokenizer.model_file, tokenizer_copy)
     resolved = OmegaConf.to_yaml(OmegaConf.merge(cfg, {"data": {"tokenizer": str(tokenizer_copy.resolve())}}),
                                  resolve=True)
-    train_loader = MicroBatchLoader(data.train, gbs, mbs, denv.rank, denv.world_size, prefetch=cfg.data.prefetch)
+    train_loader = MicroBatchLoader(data.train, gbs, mbs, dp_rank, dp_world, prefetch=cfg.data.prefetch)
 
     # The AMSP engine builds the model on the meta device and initialises only this rank's shards;
     # the plan is validated (rules named) before anything is allocated.
     # Out of memory here is one line with the planner's prediction for the plan (amsp/startup_memory.py).
-    engine = build_or_explain_oom(lambda: engine_from_config(cfg.amsp, cfg.optim, cfg.trainer.dtype, model_cfg, denv,
-                                                             device, cfg.trainer.seed, plan=plan,
-                                                             compile=cfg.model.compile), cfg, denv, device, plan)
+    # With model parallelism each build starts from a fresh meta model made tensor-parallel and cut to this
+    # rank's stage (amsp/parallel/setup.py); the DeviceMesh DTensor needs is made once (collective).
+    device_mesh = mesh.device_mesh(device.type) if mesh is not None and mesh.tp > 1 else None
+
+    def build_engine(p):
+        parts = None if mesh is None else model_parts(model_cfg, cfg.parallel, mesh, denv.rank, device, device_mesh)
+        return engine_from_config(cfg.amsp, cfg.optim, cfg.trainer.dtype, model_cfg, denv, device, cfg.trainer.seed,
+                                  plan=p, compile=cfg.model.compile, mesh=mesh, parts=parts)
+
+    engine = build_or_explain_oom(lambda: build_engine(plan), cfg, denv, device, plan)
     dtype = engine.compute_dtype
     n_params = model_cfg.num_params()
     fpt = flops_per_token(model_cfg, seq_len)
@@ -242,7 +254,7 @@ def run(cfg: DictConfig) -> None:
     def validate(step: int) -> None:
         if data.valid is None or cfg.trainer.val_samples <= 0:
             return
-        loss = evaluate(engine, validation_batches(data.valid, mbs, denv.rank, denv.world_size,
+        loss = evaluate(engine, validation_batches(data.valid, mbs, dp_rank, dp_world,
                                                    cfg.trainer.val_samples), device)
         if denv.is_main:
             log.info("step %d: validation loss %.4f", step, loss)
@@ -295,9 +307,8 @@ def run(cfg: DictConfig) -> None:
                     and step != cfg.trainer.max_steps:
                 save(step)
             if replanner.switch_due(step):  # a plan predicted >= 5% faster: through a checkpoint, as a resume
-                engine = replanner.switch(engine, step, save, ckpt, build=lambda p: engine_from_config(
-                    cfg.amsp, cfg.optim, cfg.trainer.dtype, model_cfg, denv, device, cfg.trainer.seed, plan=p,
-                    compile=cfg.model.compile), load=lambda path, e: load_training_state(ckpt, path, e))
+                engine = replanner.switch(engine, step, save, ckpt, build=build_engine,
+                                          load=lambda path, e: load_training_state(ckpt, path, e))
                 nan_injector = NaNInjector(engine.model, list(cfg.debug.nan_loss_at_steps))
             if cfg.trainer.val_interval and step % cfg.trainer.val_interval == 0:
                 validate(step)

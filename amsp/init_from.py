@@ -187,14 +187,19 @@ def load_into_engine(engine, src: WeightSource) -> int:
 
     def fill(slot, lo: int, hi: int, out: torch.Tensor) -> None:
         nonlocal reads
+        shape = slot.shape if slot.tp is None else slot.tp.global_shape  # a TP shard reads the full tensor
         if slot.name not in cached:
             full = src.read(slot.name)
-            if tuple(full.shape) != tuple(slot.shape):
+            if tuple(full.shape) != tuple(shape):
                 raise InputError(f"trainer.init_from={str(src.path)!r}: {slot.name} has shape {tuple(full.shape)}, "
-                                 f"the model needs {tuple(slot.shape)}")
+                                 f"the model needs {tuple(shape)}")
             cached[slot.name] = full.reshape(-1)
             reads += 1
-        out.copy_(cached[slot.name][lo:hi])  # rounds to the shard's dtype element by element
+        if slot.tp is None:
+            out.copy_(cached[slot.name][lo:hi])  # rounds to the shard's dtype element by element
+            return
+        for local, glob, n in slot.tp.global_runs(lo, hi):  # the local shard's elements in the full tensor
+            out[local - lo:local - lo + n].copy_(cached[slot.name][glob:glob + n])
 
     for u in engine.units:
         u.fill_shards(fill)  # p > 1: nothing is gathered before the first forward, so no stale copy remains

@@ -1,0 +1,58 @@
+"""From the config to this rank's share of the model: the mesh, the TP transform, the pipeline stage.
+
+train.py calls mesh_from_config() once; with tp = pp = 1 it returns None and nothing here runs (the
+pure AMSP path). Otherwise model_parts() builds the model on the meta device, makes it tensor-parallel
+(amsp/parallel/tensor_parallel.py) and keeps the layers of this rank's pipeline stage(s)
+(amsp/parallel/pipeline.py); the AMSP engine then shards those TP-local parameters over the rank's DP group.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from omegaconf import OmegaConf
+
+from models.llama.config import LlamaConfig
+from models.llama.model import Llama
+
+from ..engine import ModelParts
+from .mesh import ParallelMesh
+
+log = logging.getLogger(__name__)
+
+
+def mesh_from_config(cfg, denv) -> ParallelMesh | None:
+    """The run's mesh, or None when the run is data-parallel only (parallel.tp = parallel.pp = 1)."""
+    tp, pp = int(OmegaConf.select(cfg, "parallel.tp", default=1)), int(OmegaConf.select(cfg, "parallel.pp", default=1))
+    if tp == 1 and pp == 1:
+        return None
+    rpn = OmegaConf.select(cfg, "amsp.ranks_per_node") or denv.local_world_size
+    mesh = ParallelMesh(denv.world_size, int(rpn), tp=tp, pp=pp)
+    if denv.rank == 0:
+        log.info("model parallelism: %s; each rank reads data shard dp=%d of %d", mesh.describe(),
+                 mesh.coords(0).dp, mesh.dp)
+    return mesh
+
+
+def model_parts(model_cfg: LlamaConfig, parallel_cfg, mesh: ParallelMesh, rank: int,
+                device: torch.device, device_mesh=None) -> ModelParts:
+    """This rank's parts of a fresh meta-device model: TP applied, the pipeline stage's layers selected.
+    `device_mesh`: the torch DeviceMesh of `mesh` (made once per run: creating one is collective)."""
+    with torch.device("meta"):
+        model = Llama(model_cfg)
+    loss_context = ModelParts.loss_context  # the no-op default
+    if mesh.tp > 1:
+        from .tensor_parallel import parallelize_llama
+
+        dm = device_mesh if device_mesh is not None else mesh.device_mesh(device.type)
+        parallelize_llama(model, dm["tp"], sequence_parallel=bool(parallel_cfg.sequence_parallel),
+                          loss_parallel=bool(parallel_cfg.loss_parallel))
+        if parallel_cfg.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            loss_context = loss_parallel
+    if mesh.pp == 1:
+        return ModelParts(model, loss_context=loss_context)
+    from .pipeline import stage_parts
+
+    return stage_parts(model, parallel_cfg, mesh, rank, loss_context=loss_context)
