@@ -179,7 +179,8 @@ def run(cfg: DictConfig) -> None:
     device_mesh = mesh.device_mesh(device.type) if mesh is not None and mesh.tp > 1 else None
 
     def build_engine(p):
-        parts = None if mesh is None else model_parts(model_cfg, cfg.parallel, mesh, denv.rank, device, device_mesh)
+        parts = None if mesh is None else model_parts(model_cfg, cfg.parallel, mesh, denv.rank, device, device_mesh,
+                                                      seq_len=seq_len)
         return engine_from_config(cfg.amsp, cfg.optim, cfg.trainer.dtype, model_cfg, denv, device, cfg.trainer.seed,
                                   plan=p, compile=cfg.model.compile, mesh=mesh, parts=parts)
 

@@ -297,7 +297,7 @@ def _local_grad(grad: torch.Tensor, tp: TPSlot) -> torch.Tensor:
     if not isinstance(grad, DTensor):
         return grad
     if tuple(grad.placements) != tuple(tp.placements):
-        from ..routing_check import data_plane
+        from .routing_check import data_plane
 
         with data_plane():
             grad = grad.redistribute(tp.mesh, tp.placements)

@@ -35,7 +35,7 @@ def mesh_from_config(cfg, denv) -> ParallelMesh | None:
 
 
 def model_parts(model_cfg: LlamaConfig, parallel_cfg, mesh: ParallelMesh, rank: int,
-                device: torch.device, device_mesh=None) -> ModelParts:
+                device: torch.device, device_mesh=None, seq_len: int | None = None) -> ModelParts:
     """This rank's parts of a fresh meta-device model: TP applied, the pipeline stage's layers selected.
     `device_mesh`: the torch DeviceMesh of `mesh` (made once per run: creating one is collective)."""
     with torch.device("meta"):
@@ -46,7 +46,7 @@ def model_parts(model_cfg: LlamaConfig, parallel_cfg, mesh: ParallelMesh, rank: 
 
         dm = device_mesh if device_mesh is not None else mesh.device_mesh(device.type)
         parallelize_llama(model, dm["tp"], sequence_parallel=bool(parallel_cfg.sequence_parallel),
-                          loss_parallel=bool(parallel_cfg.loss_parallel))
+                          loss_parallel=bool(parallel_cfg.loss_parallel), seq_len=seq_len)
         if parallel_cfg.loss_parallel:
             from torch.distributed.tensor.parallel import loss_parallel
 

@@ -94,9 +94,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
-        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
+        # Head counts come from the projections' widths (-1), so a wrapper that gives this module a
+        # slice of the heads (tensor parallelism, applied from outside) needs no change here.
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         out = self.kernel(q, k, v)
         return self.wo(out.reshape(b, s, -1))

@@ -1,0 +1,100 @@
+"""Tensor + sequence parallelism for the LLaMA model, applied from outside through
+torch.distributed.tensor.parallel (Megatron's layout, torchtitan's pattern):
+
+  tok_embeddings   vocabulary-parallel (rows of the table split; lookups masked, partial sums
+                   reduce-scattered over the sequence when sequence-parallel)
+  attention_norm,  sequence-parallel: each TP rank normalises its slice of the positions, the weight
+  ffn_norm,        is replicated (its gradient is summed over the TP group)
+  head.norm
+  wq, wk, wv,      column-parallel: each TP rank holds n_heads/tp query heads and n_kv_heads/tp
+  w1, w3           key/value heads, ffn_hidden/tp of the MLP (the sequence is all-gathered first)
+  wo, w2           row-parallel: partial outputs reduce-scattered back to the sequence slices
+  head.output      column-parallel over the vocabulary; with loss_parallel the logits stay sharded and
+                   the cross-entropy runs on the shards under loss_parallel() (never all-gathered)
+
+The model file stays free of parallelism: its attention reads the head count from the projections'
+widths. Parameters become DTensors on the TP mesh; the AMSP engine then shards their local pieces over
+the data-parallel group (amsp/parallel/tp_slices.py maps them back to the full tensors).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch.nn as nn
+
+from ..errors import InputError
+
+log = logging.getLogger(__name__)
+
+
+def check_divisible(cfg, tp: int, seq_len: int | None = None, sequence_parallel: bool = True) -> None:
+    """One line naming every model dimension that does not split over `tp` ranks."""
+    dims = {"n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads, "ffn_hidden_dim": cfg.ffn_hidden_dim,
+            "vocab_size": cfg.vocab_size}
+    bad = [f"model.{k}={v}" for k, v in dims.items() if v % tp]
+    if sequence_parallel and seq_len is not None and seq_len % tp:
+        bad.append(f"data.seq_len={seq_len} (sequence parallelism; or parallel.sequence_parallel=false)")
+    if bad:
+        raise InputError(f"parallel.tp={tp} does not divide {', '.join(bad)}")
+
+
+def parallelize_llama(model: nn.Module, tp_mesh, *, sequence_parallel: bool = True, loss_parallel: bool = True,
+                      seq_len: int | None = None) -> None:
+    """Make `model` (models.llama.model.Llama, on the meta device or materialised) tensor-parallel over
+    the 1-D `tp_mesh`, in place. With loss_parallel the caller runs forward and backward inside
+    torch.distributed.tensor.parallel.loss_parallel()."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    cfg = model.cfg
+    tp = tp_mesh.size()
+    check_divisible(cfg, tp, seq_len, sequence_parallel)
+    _use_unfused_where_sharded(model, sequence_parallel)
+    stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream between blocks
+    top = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)}
+    if sequence_parallel:
+        top["head.norm"] = SequenceParallel()
+    if model.head.output is not None:
+        top["head.output"] = ColwiseParallel(input_layouts=stream,
+                                             output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                             use_local_output=not loss_parallel)
+    else:  # tied: the head projects with the embedding's vocabulary-sharded table
+        top["head"] = PrepareModuleInput(input_layouts=(stream, None), desired_input_layouts=(Replicate(), None))
+    parallelize_module(model, tp_mesh, top)
+    for block in model.layers:
+        plan = {
+            "attention": PrepareModuleInput(input_layouts=(stream, None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=stream),
+            "feed_forward": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=stream),
+        }
+        if sequence_parallel:
+            plan["attention_norm"] = SequenceParallel()
+            plan["ffn_norm"] = SequenceParallel()
+        parallelize_module(block, tp_mesh, plan)
+        # The backend kernel of TE attention is built for a head count: give it the local one.
+        attn = block.attention
+        attn.n_heads, attn.n_kv_heads = cfg.n_heads // tp, cfg.n_kv_heads // tp
+    if model.head.output is None and not loss_parallel:
+        raise InputError("tied embeddings with parallel.tp > 1 need parallel.loss_parallel=true (the tied head's "
+                         "logits are vocabulary-sharded)")
+
+
+def _use_unfused_where_sharded(model: nn.Module, sequence_parallel: bool) -> None:
+    """The csrc fused kernels take plain tensors: under TP the norms (sequence-parallel) and the fused
+    linear + cross-entropy see DTensors, so those run the reference ops; logged once."""
+    changed = []
+    if model.head.fused_loss:
+        model.head.fused_loss = False
+        changed.append("linear_cross_entropy")
+    if sequence_parallel:
+        for mod in model.modules():
+            if getattr(mod, "fused", False) is True and hasattr(mod, "eps"):
+                mod.fused = False
+                changed.append("rms_norm") if "rms_norm" not in changed else None
+    if changed:
+        log.info("tensor parallelism: fused %s off (their inputs are DTensors); reference ops used", ", ".join(changed))
