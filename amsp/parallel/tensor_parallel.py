@@ -44,8 +44,8 @@ def parallelize_llama(model: nn.Module, tp_mesh, *, sequence_parallel: bool = Tr
     the 1-D `tp_mesh`, in place. With loss_parallel the caller runs forward and backward inside
     torch.distributed.tensor.parallel.loss_parallel()."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel, parallelize_module)
 
     cfg = model.cfg
     tp = tp_mesh.size()
@@ -59,8 +59,11 @@ def parallelize_llama(model: nn.Module, tp_mesh, *, sequence_parallel: bool = Tr
         top["head.output"] = ColwiseParallel(input_layouts=stream,
                                              output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                              use_local_output=not loss_parallel)
-    else:  # tied: the head projects with the embedding's vocabulary-sharded table
+    elif sequence_parallel:  # tied: the head projects with the embedding's vocabulary-sharded table
         top["head"] = PrepareModuleInput(input_layouts=(stream, None), desired_input_layouts=(Replicate(), None))
+    else:  # tied, replicated stream: the normalised states enter the projection as a replicated DTensor
+        top["head.norm"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(),
+                                               use_local_output=False)
     parallelize_module(model, tp_mesh, top)
     for block in model.layers:
         plan = {
