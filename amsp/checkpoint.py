@@ -54,45 +54,63 @@ from .checkpoint_verify import (VERIFIED, ChecksumMixin, CheckpointDamaged, Chec
 from .errors import FaultError, RunError
 
 log = logging.getLogger(__name__)
-FORMAT_VERSION = 1
+# 2: tensors of two or more dims are stored in their full shape (format 1 flattened every tensor to 1-D;
+# still read: loaders lay their boxes out as the stored entry is).
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
 
 
 @dataclass
 class Fragment:
-    """A contiguous range of one logical tensor (flattened) held by this rank."""
+    """A box of one logical tensor held by this rank: a contiguous range of a 1-D tensor (global_numel and
+    offset ints, tensor 1-D), or of an N-D one (global_numel the full shape, offset the box's corner,
+    tensor shaped like the box). A rank may hold several boxes of one tensor (tensor parallelism)."""
 
     key: str
-    global_numel: int
-    offset: int
-    tensor: torch.Tensor  # 1-D, length = number of elements held
+    global_numel: int | tuple[int, ...]
+    offset: int | tuple[int, ...]
+    tensor: torch.Tensor
     primary: bool = True  # only primary replicas write; every holder reads
 
     @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.global_numel) if isinstance(self.global_numel, (tuple, list)) else (self.global_numel,)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return tuple(self.offset) if isinstance(self.offset, (tuple, list)) else (self.offset,)
+
+    @property
+    def ident(self) -> tuple[str, tuple[int, ...]]:
+        return self.key, self.offsets
+
+    @property
     def chunk(self) -> ChunkStorageMetadata:
-        return ChunkStorageMetadata(offsets=torch.Size([self.offset]), sizes=torch.Size([self.tensor.numel()]))
+        sizes = self.tensor.shape if len(self.shape) > 1 else torch.Size([self.tensor.numel()])
+        return ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=sizes)
 
 
 class _FragmentSavePlanner(ChecksumMixin, DefaultSavePlanner):
     def __init__(self, fragments: list[Fragment], checksums: bool = True):
         super().__init__()
-        self.fragments = {f.key: f for f in fragments if f.primary and f.tensor.numel() > 0}
+        self.fragments = {f.ident: f for f in fragments if f.primary and f.tensor.numel() > 0}
         self.checksums: dict[str, int] = {}
         self.checksum = checksums
 
     def create_local_plan(self):
         plan = super().create_local_plan()
-        items = [WriteItem(index=MetadataIndex(f.key, torch.Size([f.offset])), type=WriteItemType.SHARD,
+        items = [WriteItem(index=MetadataIndex(f.key, torch.Size(f.offsets)), type=WriteItemType.SHARD,
                            tensor_data=TensorWriteData(chunk=f.chunk,
                                                        properties=TensorProperties.create_from_tensor(f.tensor),
-                                                       size=torch.Size([f.global_numel])))
+                                                       size=torch.Size(f.shape)))
                  for f in self.fragments.values()]
         self.plan = dataclasses.replace(plan, items=list(plan.items) + items)
         return self.plan
 
     def resolve_data(self, write_item):
-        frag = self.fragments.get(write_item.index.fqn)
+        frag = self.fragments.get((write_item.index.fqn, tuple(write_item.index.offset or ())))
         data = frag.tensor.detach() if frag is not None else super().resolve_data(write_item)
         return self._checksum_resolved(write_item, data) if self.checksum else data
 
@@ -100,7 +118,7 @@ class _FragmentSavePlanner(ChecksumMixin, DefaultSavePlanner):
 class _FragmentLoadPlanner(DefaultLoadPlanner):
     def __init__(self, fragments: list[Fragment]):
         super().__init__()
-        self.fragments = {f.key: f for f in fragments if f.tensor.numel() > 0}
+        self.fragments = {f.ident: f for f in fragments if f.tensor.numel() > 0}
 
     def create_local_plan(self):
         plan = super().create_local_plan()
@@ -112,9 +130,12 @@ class _FragmentLoadPlanner(DefaultLoadPlanner):
         return self.plan
 
     def resolve_tensor(self, read_item):
-        frag = self.fragments.get(read_item.dest_index.fqn)
+        frag = self.fragments.get((read_item.dest_index.fqn, tuple(read_item.dest_index.offset or ())))
         if frag is not None:
-            return frag.tensor.narrow(0, read_item.dest_offsets[0], read_item.lengths[0])
+            t = frag.tensor
+            for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+                t = t.narrow(dim, start, length)
+            return t
         return super().resolve_tensor(read_item)
 
 
@@ -321,9 +342,11 @@ class CheckpointManager:
             raise RuntimeError(f"asynchronous checkpoint save failed: {err}") from err
 
     # -- loading --
-    def load(self, path: Path, fragments: list[Fragment], tensors: dict[str, torch.Tensor]) -> dict:
+    def load(self, path: Path, fragments, tensors: dict[str, torch.Tensor]) -> dict:
         """Collective. Fills every fragment and tensor in place; returns meta.json. A damaged
-        checkpoint is a CheckpointDamaged naming the file (on every rank)."""
+        checkpoint is a CheckpointDamaged naming the file (on every rank). `fragments`: a list, or a
+        function of the stored entries' shapes ({key: shape}) returning it, for callers whose boxes
+        depend on how the checkpoint laid a tensor out (flattened by format 1, full shape since 2)."""
         if control.pretend_world():
             raise RuntimeError(f"a pretend world (AMSP_PRETEND_WORLD) cannot load {path}: the fake backend "
                                f"cannot run DCP's exchange between ranks; use a fresh run directory or "
@@ -342,6 +365,9 @@ class CheckpointManager:
             except Exception as e:
                 raise CheckpointDamaged(f"{path}/.metadata: unreadable ({type(e).__name__}: "
                                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
+            if callable(fragments):
+                fragments = fragments({k: tuple(getattr(v, "size", ()))
+                                       for k, v in metadata.state_dict_metadata.items()})
             _check_compatible(path, metadata, fragments, tensors)
         except RunError as e:
             error = e
@@ -421,9 +447,9 @@ def _read_meta(path: Path) -> dict:
         raise CheckpointDamaged(f"{meta_path}: file missing") from None
     except (OSError, ValueError) as e:
         raise CheckpointDamaged(f"{meta_path}: unreadable ({type(e).__name__}: {e})") from None
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointDamaged(f"{meta_path}: checkpoint format {meta.get('format_version')} is not the "
-                                f"supported format {FORMAT_VERSION}")
+    if meta.get("format_version") not in READABLE_FORMATS:
+        raise CheckpointDamaged(f"{meta_path}: checkpoint format {meta.get('format_version')} is not one of the "
+                                f"supported formats {READABLE_FORMATS}")
     return meta
 
 
@@ -434,9 +460,9 @@ def _check_compatible(path: Path, metadata, fragments: list[Fragment], tensors: 
         if f.key not in stored:
             raise CheckpointMismatch(f"{path}: checkpoint has no entry {f.key!r}; it was written for a different "
                                      f"model")
-        if tuple(stored[f.key].size) != (f.global_numel,):
-            raise CheckpointMismatch(f"{path}: checkpoint entry {f.key!r} has {tuple(stored[f.key].size)} elements, "
-                             f"the model needs ({f.global_numel},); it was written for a different model shape")
+        if tuple(stored[f.key].size) != f.shape:
+            raise CheckpointMismatch(f"{path}: checkpoint entry {f.key!r} has shape {tuple(stored[f.key].size)}, "
+                                     f"the model needs {f.shape}; it was written for a different model shape")
     missing = [k for k in tensors if k not in stored]
     if missing:
         raise CheckpointMismatch(f"{path}: checkpoint lacks {missing}; it was written by a different setup")

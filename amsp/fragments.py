@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .flat_unit import FlatUnit
+from .parallel.tp_slices import TPSlot
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,13 @@ class Fragment:
     master: torch.Tensor  # fp32 views into the OS shard, end - start elements each
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
+    # Tensor parallelism: `shape`, `numel`, `start`/`end` are of the rank's local shard, and this maps them
+    # into the full parameter (amsp/parallel/tp_slices.py). None: the parameter is whole on this rank.
+    tp: TPSlot | None = None
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        return tuple(self.shape) if self.tp is None else tuple(self.tp.global_shape)
 
     STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -38,8 +46,10 @@ def unit_fragments(u: FlatUnit) -> list[Fragment]:
         if lo >= hi:
             continue
         a, b = lo - u.os_lo, hi - u.os_lo
+        # A TP-replicated copy is written by TP rank 0 only (norm_counted marks the one copy).
         out.append(Fragment(s.name, u.name, s.shape, s.numel, lo - s.offset, hi - s.offset,
-                            u.rank < u.deg.os, u.master[a:b], u.exp_avg[a:b], u.exp_avg_sq[a:b]))
+                            u.rank < u.deg.os and s.norm_counted, u.master[a:b], u.exp_avg[a:b], u.exp_avg_sq[a:b],
+                            s.tp))
     return out
 
 

@@ -122,14 +122,16 @@ def _checkpoint_source(path: pathlib.Path) -> WeightSource:
     # Checksummed checkpoints (the trainer's) are verified chunk by chunk as they are read.
     checksums = read_manifests(path) or None
     stored = VerifyingReader(str(path), checksums).read_metadata().state_dict_metadata
+    sizes = {}
     for name, shape in shapes.items():
         size = tuple(getattr(stored.get(MODEL_PREFIX + name), "size", ()))
-        if size != (shape.numel(),):
+        if size not in ((shape.numel(),), tuple(shape)):  # format 1 flattened every entry; 2 keeps the shape
             raise InputError(f"trainer.init_from={str(path)!r}: entry {MODEL_PREFIX}{name} has size {size or 'none'}, "
-                             f"its config.yaml implies ({shape.numel()},)")
+                             f"its config.yaml implies {tuple(shape)}")
+        sizes[name] = size
 
     def read(name: str) -> torch.Tensor:
-        buf = {MODEL_PREFIX + name: torch.empty(shapes[name].numel(), dtype=torch.float32)}
+        buf = {MODEL_PREFIX + name: torch.empty(sizes[name], dtype=torch.float32)}
         with warnings.catch_warnings():  # no process group on purpose: every rank reads what it needs
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(buf, storage_reader=VerifyingReader(str(path), checksums), no_dist=True)

@@ -92,10 +92,10 @@ def load_model_state(ckpt_dir: str | pathlib.Path, cfg: LlamaConfig) -> dict[str
     buffers = {}
     for name, shape in shapes.items():
         size = tuple(getattr(stored[name], "size", ()))
-        if size != (shape.numel(),):
-            raise ValueError(f"checkpoint entry model.{name} has size {size}, expected a flat ({shape.numel()},) "
-                             f"for shape {tuple(shape)}")
-        buffers[MODEL_PREFIX + name] = torch.empty(shape.numel(), dtype=torch.float32)
+        if size not in ((shape.numel(),), tuple(shape)):  # format 1 flattened every entry; 2 keeps the shape
+            raise ValueError(f"checkpoint entry model.{name} has size {size}, expected {tuple(shape)} (or flat "
+                             f"({shape.numel()},))")
+        buffers[MODEL_PREFIX + name] = torch.empty(size, dtype=torch.float32)
     # no_dist: one process reads every entry in full, no process group needed.
     with warnings.catch_warnings():  # single-process on purpose; the warning only says so
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

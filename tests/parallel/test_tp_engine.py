@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from tests.amsp.amsp_cases import MICRO, SCHEDULE, SEED, SETTINGS, micro_batch, model_cfg, reference, rel
+from amsp.checkpoint import CheckpointManager
+from amsp.train_state import load_training_state, save_training_state
 from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -27,10 +29,15 @@ def _engine(rank: int, world: int, case: dict):
     from amsp.parallel.mesh import ParallelMesh
     from amsp.parallel.tensor_parallel import parallelize_llama
     from amsp.plan import Degrees, Plan
+    from amsp.topology import Topology
     from models.llama.model import Llama
 
     mesh = ParallelMesh(world, world, tp=case["tp"])
     cfg = model_cfg(tie=case.get("tie", False))
+    if case["tp"] == 1:  # data parallelism alone: the engine builds the model itself
+        plan = Plan(Degrees(*case["blocks"]), Degrees(*case["blocks"]), name="test")
+        return AMSPEngine(cfg, plan, Topology(world, world), rank, seed=SEED,
+                          options=EngineOptions(precision="fp32", optim=SETTINGS)), mesh
     with torch.device("meta"):
         model = Llama(cfg)
     parallelize_llama(model, case["device_mesh"]["tp"], sequence_parallel=case["sp"], loss_parallel=True, seq_len=16)
@@ -48,6 +55,16 @@ def _count_replicated_copies_everywhere(eng) -> None:
     opt = eng.optim
     opt._norm_runs = [_segments(u.layout.chunk, []) for u in eng.units]
     opt._inv_replicas = torch.tensor([1.0 / u.replicas for u in eng.units])
+
+
+def _save_format1(mgr, eng, step: int) -> None:
+    """A checkpoint as format 1 wrote it: every entry flattened to 1-D (users' existing checkpoints)."""
+    from amsp.checkpoint import Fragment
+    from amsp.train_state import _KEYS, rng_tensors
+
+    frags = [Fragment(f"{prefix}.{f.name}", f.numel, f.start, getattr(f, attr), f.primary)
+             for f in eng.named_fragments() for prefix, attr in _KEYS]
+    mgr.save(step, frags, rng_tensors(), {"optimizer_steps": eng.optimizer_steps}, "{}\n")
 
 
 def _worst_param_error(eng, ref_params: dict) -> float:
@@ -70,15 +87,26 @@ def _run(rank: int, world: int, cases: list[dict]) -> list[dict]:
     out, meshes = [], {}
     for case in cases:
         tp = case["tp"]
-        if tp not in meshes:  # DeviceMesh creation is collective: once per shape
+        if tp not in meshes and tp > 1:  # DeviceMesh creation is collective: once per shape
             meshes[tp] = ParallelMesh(world, world, tp=tp).device_mesh("cpu")
-        eng, mesh = _engine(rank, world, {**case, "device_mesh": meshes[tp]})
+        eng, mesh = _engine(rank, world, {**case, "device_mesh": meshes.get(tp)})
         if case.get("fault"):
             _count_replicated_copies_everywhere(eng)
         dp_index = mesh.coords(rank).dp
         ref = reference(mesh.dp, STEPS, (STEPS,), tie=case.get("tie", False))
         losses, norm_err = [], 0.0
+        if "load" in case:  # a checkpoint of step STEPS - 1 written under another (tp, dp, plan)
+            mgr = CheckpointManager(case["load"])
+            load_training_state(mgr, mgr.latest(), eng)
+            saved = reference(case["saved_dp"], STEPS - 1, (STEPS - 1,), tie=case.get("tie", False))
+            out.append({"case": case, "param_err": _worst_param_error(eng, saved["params"][STEPS - 1]),
+                        "loss_err": 0.0, "norm_err": 0.0})
+            continue
         for step in range(STEPS):
+            if "save" in case and step == STEPS - 1:
+                save_training_state(CheckpointManager(case["save"]), eng, step, {}, "{}\n")
+            if "save_flat" in case and step == STEPS - 1:
+                _save_format1(CheckpointManager(case["save_flat"]), eng, step)
             total = 0.0
             for m in range(MICRO):
                 total += eng.forward_backward(*micro_batch(step, m, dp_index), m, MICRO).item() / MICRO
@@ -100,8 +128,17 @@ CASES = [
 ]
 
 
-def test_tp_dp_equals_single_process():
-    results = run_distributed(_run, 4, CASES, timeout=300)
+def test_tp_dp_equals_single_process(tmp_path):
+    tp_run, dp_run, flat_run = (str(tmp_path / n) for n in ("tp2_zero3", "dp4_zero2", "dp4_format1"))
+    # Checkpoints are logical: written at (tp 2, dp 2, zero3) they load at (tp 1, dp 4, zero2) and back.
+    ckpt_cases = [{"tp": 2, "sp": True, "blocks": (2, 2, 2), "save": tp_run},
+                  {"tp": 1, "sp": False, "blocks": (1, 4, 4), "load": tp_run, "saved_dp": 2},
+                  {"tp": 1, "sp": False, "blocks": (1, 4, 4), "save": dp_run},
+                  {"tp": 2, "sp": False, "blocks": (1, 1, 2), "load": dp_run, "saved_dp": 4},
+                  # a format-1 (flattened) checkpoint of a DP run still loads, under another plan
+                  {"tp": 1, "sp": False, "blocks": (2, 2, 2), "save_flat": flat_run},
+                  {"tp": 1, "sp": False, "blocks": (1, 1, 4), "load": flat_run, "saved_dp": 4}]
+    results = run_distributed(_run, 4, CASES + ckpt_cases, timeout=300)
     for r in results[0]:
         c = r["case"]
         if c.get("fault"):
