@@ -445,6 +445,11 @@ class AMSPEngine:
             raise RuntimeError("AMSP: begin_microbatches() in the middle of a step")
         self._pipeline = {"expected": num_micro, "seen": {}, "states": {}}
 
+    def abort_microbatches(self) -> None:
+        """After a failed schedule: leave pipeline mode without the checks (the failure is the news)."""
+        self._pipeline = None
+        self._micro_state = None
+
     def end_microbatches(self) -> None:
         """After the schedule: every chunk ran exactly num_micro complete backward passes."""
         pipe, self._pipeline = self._pipeline, None

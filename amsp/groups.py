@@ -67,11 +67,19 @@ def ensure_groups(degrees: list[Degrees], topo: Topology | list[Topology]) -> No
         return
     if dist.get_world_size() != world:
         raise RuntimeError(f"topology says {world} ranks but the process group has {dist.get_world_size()}")
+    ensure_rank_groups([ranks for t in topos for deg in degrees for groups in group_lists(deg, t).values()
+                        for ranks in groups])
+
+
+def ensure_rank_groups(rank_lists: list[tuple[int, ...]]) -> None:
+    """Create (collectively: every rank passes the same list) the data-plane groups of these rank tuples
+    that do not exist yet, e.g. a mesh's pipeline groups."""
+    if not dist.is_initialized():
+        return
     if _CACHE_WORLD and _CACHE_WORLD[0] != id(dist.group.WORLD):
         _CACHE.clear()  # a new default process group (tests re-initialise): old groups are dead
     _CACHE_WORLD[:] = [id(dist.group.WORLD)]
-    new = [ranks for t in topos for deg in degrees for groups in group_lists(deg, t).values() for ranks in groups
-           if len(ranks) > 1 and ranks not in _CACHE]
+    new = [ranks for ranks in rank_lists if len(ranks) > 1 and ranks not in _CACHE]
     if not new:
         return
     timeout = control.collective_timeout()

@@ -209,7 +209,9 @@ class ParallelConfig:
     pp: int = 1  # pipeline stages
     sequence_parallel: bool = True  # TP: norms and residual stream split over the sequence (needs seq_len % tp == 0)
     loss_parallel: bool = True  # TP: cross-entropy on vocabulary-sharded logits (full logits never built)
-    schedule: str = "1f1b"  # pipeline schedule: 1f1b | interleaved | gpipe | zb
+    # pipeline schedule: 1f1b | interleaved | gpipe (zero-bubble schedules split weight from input gradients,
+    # which the AMSP gradient hooks do not follow yet)
+    schedule: str = "1f1b"
     virtual_stages: int = 1  # stages per rank for interleaved schedules
     layer_split: Optional[List[int]] = None  # layers per (virtual) stage; None: balanced, embedding and head weighted
     # The joint planner (amsp/planner/joint) chooses tp, pp, the layer split, the micro-batch size and the

@@ -115,7 +115,7 @@ RULES: tuple[Rule, ...] = (
     finite_at_least("amsp.planner.time_limit_s", 0, strict=True),
     int_at_least("parallel.tp", 1),
     int_at_least("parallel.pp", 1),
-    one_of("parallel.schedule", "1f1b", "interleaved", "gpipe", "zb"),
+    one_of("parallel.schedule", "1f1b", "interleaved", "gpipe"),
     int_at_least("parallel.virtual_stages", 1),
     Rule("parallel.layer_split", "a list of integers >= 1 (layers per stage)",
          lambda v: isinstance(v, list) and len(v) >= 1 and all(_int(x) and x >= 1 for x in v), optional=True),
@@ -189,9 +189,9 @@ def _parallel_problems(cfg: DictConfig) -> list[str]:
     elif _int(n_layers) and stages > n_layers:
         out.append(f"parallel.pp={p.pp} x parallel.virtual_stages={p.virtual_stages} is not allowed: more "
                    f"stages than model.n_layers={n_layers}")
-    if p.virtual_stages > 1 and p.schedule not in ("interleaved", "zb"):
+    if (p.virtual_stages > 1) != (p.schedule == "interleaved") and p.pp > 1:
         out.append(f"parallel.virtual_stages={p.virtual_stages} is not allowed with parallel.schedule={p.schedule}: "
-                   f"virtual stages need an interleaved schedule (interleaved | zb)")
+                   f"the interleaved schedule needs virtual stages (>= 2), the others one")
     if p.auto and OmegaConf.select(cfg, "amsp.plan") != "auto":
         out.append("parallel.auto=true is not allowed with a named amsp.plan: the joint planner chooses the AMSP "
                    "degrees too (set amsp.plan=auto)")

@@ -1,0 +1,119 @@
+"""Pipeline parallelism (torch.distributed.pipelining) with AMSP on each stage's DP group equals
+single-process training in fp32: PP x DP with 1F1B, GPipe and interleaved 1F1B, an uneven layer split,
+PP x TP with sequence parallelism, and AMSP plans other than 1/1/1. One spawned 4-rank gloo group."""
+from __future__ import annotations
+
+import types
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.distributed
+SEED, MBS, SEQ, MICRO, STEPS = 7, 2, 16, 4, 3
+
+
+def _cfg(n_layers: int):
+    from models.llama import get_preset
+
+    return get_preset("debug").with_overrides(n_layers=n_layers)
+
+
+def _batch(step: int, micro: int, data_rank: int, vocab: int):
+    g = torch.Generator().manual_seed((SEED * 1000 + step) * 10000 + micro * 100 + data_rank)
+    t = torch.randint(0, vocab, (MBS, SEQ + 1), generator=g)
+    return t[:, :-1], t[:, 1:]
+
+
+def _reference(n_layers: int, dp: int) -> dict:
+    from amsp.optim import param_groups
+    from models.llama import build_model
+    from tests.amsp.amsp_cases import SCHEDULE, SETTINGS
+
+    cfg = _cfg(n_layers)
+    model = build_model(cfg, seed=SEED)
+    opt = torch.optim.AdamW(param_groups(model, SETTINGS.weight_decay), lr=SCHEDULE(0), betas=SETTINGS.betas,
+                            eps=SETTINGS.eps, foreach=False)
+    losses, norms = [], []
+    for step in range(STEPS):
+        for group in opt.param_groups:
+            group["lr"] = SCHEDULE(step)
+        total = 0.0
+        for m in range(MICRO):
+            xs, ys = zip(*(_batch(step, m, r, cfg.vocab_size) for r in range(dp)))
+            loss = model(torch.cat(xs), torch.cat(ys))
+            (loss / MICRO).backward()
+            total += loss.item()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), SETTINGS.grad_clip).item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total / MICRO)
+    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _run(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from amsp import control
+    from amsp.engine import AMSPEngine, EngineOptions
+    from amsp.parallel.mesh import ParallelMesh
+    from amsp.parallel.pipeline import PipelineRunner, stage_parts
+    from amsp.parallel.tensor_parallel import parallelize_llama
+    from amsp.plan import Degrees, Plan
+    from models.llama.model import Llama
+    from tests.amsp.amsp_cases import SCHEDULE, SETTINGS, rel
+    from tests.parallel.test_tp_engine import _worst_param_error
+
+    torch.set_num_threads(1)
+    out = []
+    for case in cases:
+        mesh = ParallelMesh(world, world, tp=case.get("tp", 1), pp=case["pp"])
+        cfg = _cfg(case["layers"])
+        pcfg = types.SimpleNamespace(schedule=case["schedule"], virtual_stages=case.get("v", 1),
+                                     layer_split=case.get("split"), sequence_parallel=True, loss_parallel=True)
+        with torch.device("meta"):
+            model = Llama(cfg)
+        ctx = nullcontext
+        if mesh.tp > 1:
+            parallelize_llama(model, mesh.device_mesh("cpu")["tp"], sequence_parallel=True, loss_parallel=True,
+                              seq_len=SEQ)
+            ctx = loss_parallel
+        plan = Plan(Degrees(*case["blocks"]), Degrees(*case["blocks"]), name="test")
+        eng = AMSPEngine(cfg, plan, mesh.dp_topology(rank), rank, seed=SEED, mesh=mesh,
+                         parts=stage_parts(model, pcfg, mesh, rank, loss_context=ctx),
+                         options=EngineOptions(precision="fp32", optim=SETTINGS))
+        runner = PipelineRunner(eng, mesh, rank, pcfg, MICRO, SEQ, MBS)
+        ref = _reference(case["layers"], mesh.dp)
+        data_rank = mesh.coords(rank).dp
+        loss_err = norm_err = 0.0
+        for step in range(STEPS):
+            xs, ys = zip(*(_batch(step, m, data_rank, cfg.vocab_size) for m in range(MICRO)))
+            total, count = runner.train_step(list(xs), list(ys))
+            res = eng.step(SCHEDULE(step))
+            total, count = control.all_reduce_sum_floats([total, float(count)])
+            loss_err = max(loss_err, rel(total / count, ref["losses"][step]))
+            norm_err = max(norm_err, rel(res.grad_norm, ref["norms"][step]))
+        vx, vy = zip(*(_batch(99, m, data_rank, cfg.vocab_size) for m in range(MICRO)))
+        val, n = control.all_reduce_sum_floats([float(v) for v in runner.evaluate(list(vx), list(vy))])
+        out.append({"case": case, "loss_err": loss_err, "norm_err": norm_err, "val": val / max(n, 1),
+                    "param_err": _worst_param_error(eng, ref["params"])})
+    return out
+
+
+CASES = [
+    {"pp": 2, "schedule": "1f1b", "layers": 4, "blocks": (2, 2, 2), "split": [1, 3]},  # PP x DP, zero3, uneven
+    {"pp": 4, "schedule": "1f1b", "layers": 4, "blocks": (1, 1, 1)},  # PP alone
+    {"pp": 2, "schedule": "interleaved", "v": 2, "layers": 4, "blocks": (1, 2, 2)},  # interleaved, zero2
+    {"pp": 2, "schedule": "gpipe", "layers": 2, "blocks": (1, 1, 2)},  # GPipe, zero1
+    {"pp": 2, "tp": 2, "schedule": "1f1b", "layers": 2, "blocks": (1, 1, 1)},  # PP x TP (+ SP)
+]
+
+
+def test_pp_dp_and_pp_tp_equal_single_process():
+    results = run_distributed(_run, 4, CASES, timeout=400)
+    for rank_results in results:
+        for r in rank_results:
+            assert r["loss_err"] <= 1e-5 and r["norm_err"] <= 1e-5 and r["param_err"] <= 1e-5, r
+            assert 0 < r["val"] < 20, r
