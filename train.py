@@ -34,7 +34,7 @@ from amsp.metrics.plot import plot_run
 from amsp.metrics.wandb_logger import WandbLogger
 from amsp.build import engine_from_config, plan_from_config, topology_from
 from amsp.optim import WarmupCosine, lr_floor
-from amsp.parallel.setup import mesh_from_config, model_parts
+from amsp.parallel.setup import mesh_from_config, model_parts, pipeline_runner
 from amsp.planner import plan_for_run
 from amsp.replan_switch import Replanner
 from amsp.startup_memory import build_or_explain_oom
@@ -185,6 +185,8 @@ def run(cfg: DictConfig) -> None:
                                   plan=p, compile=cfg.model.compile, mesh=mesh, parts=parts)
 
     engine = build_or_explain_oom(lambda: build_engine(plan), cfg, denv, device, plan)
+    # Pipeline parallelism: the schedule runs a step's micro-batches through this rank's stage(s).
+    runner = pipeline_runner(engine, mesh, denv.rank, cfg.parallel, accum, seq_len, mbs)
     dtype = engine.compute_dtype
     n_params = model_cfg.num_params()
     fpt = flops_per_token(model_cfg, seq_len)
@@ -255,7 +257,7 @@ def run(cfg: DictConfig) -> None:
     def validate(step: int) -> None:
         if data.valid is None or cfg.trainer.val_samples <= 0:
             return
-        loss = evaluate(engine, validation_batches(data.valid, mbs, dp_rank, dp_world,
+        loss = evaluate(runner or engine, validation_batches(data.valid, mbs, dp_rank, dp_world,
                                                    cfg.trainer.val_samples), device)
         if denv.is_main:
             log.info("step %d: validation loss %.4f", step, loss)
@@ -270,7 +272,7 @@ def run(cfg: DictConfig) -> None:
             nan_injector.current = step
             timer.start_step()
             lr = schedule(step - 1)
-            loss_sum = torch.zeros((), device=device)
+            loss_sum, xs, ys = torch.zeros((), device=device), [], []
             for micro in range(accum):
                 x, y = next(train_loader)
                 timer.lap("data_wait")
@@ -279,7 +281,16 @@ def run(cfg: DictConfig) -> None:
                 if step == cfg.debug.stop_at_step and denv.rank == cfg.debug.stop_rank and micro == accum - 1:
                     log.warning("fault injection: rank %d stops itself (SIGSTOP) in step %d", denv.rank, step)
                     os.kill(os.getpid(), signal.SIGSTOP)
-                loss_sum += engine.forward_backward(x, y, micro, accum)
+                if runner is None:
+                    loss_sum += engine.forward_backward(x, y, micro, accum)
+                    timer.lap("forward_backward")
+                else:
+                    xs.append(x)
+                    ys.append(y)
+            losses_held = accum  # micro-batch losses this rank holds (a pipeline: its last stage only)
+            if runner is not None:
+                total, losses_held = runner.train_step(xs, ys)
+                loss_sum += total
                 timer.lap("forward_backward")
             result = engine.step(lr)  # gradient sync, sharded AdamW with global-norm clipping, spread
             timer.lap("optimizer")
@@ -290,7 +301,8 @@ def run(cfg: DictConfig) -> None:
             replanner.observe(timings, comm.exposed_s)
             if step % cfg.trainer.log_interval == 0 or step == cfg.trainer.max_steps:
                 # The mean over ranks is needed only here: one control-plane value per log step.
-                loss = control.all_reduce_sum_floats([loss_sum.item() / accum])[0] / denv.world_size
+                total, held = control.all_reduce_sum_floats([loss_sum.item(), float(losses_held)])
+                loss = total / held
                 metrics.log(step, loss=loss, lr=lr, grad_norm=result.grad_norm, skipped_steps=skips.total,
                             tokens_seen=train_loader.state_dict()["consumed_samples"] * seq_len)
             if skips.exhausted:
@@ -311,6 +323,7 @@ def run(cfg: DictConfig) -> None:
                 engine = replanner.switch(engine, step, save, ckpt, build=build_engine,
                                           load=lambda path, e: load_training_state(ckpt, path, e))
                 nan_injector = NaNInjector(engine.model, list(cfg.debug.nan_loss_at_steps))
+                runner = pipeline_runner(engine, mesh, denv.rank, cfg.parallel, accum, seq_len, mbs)
             if cfg.trainer.val_interval and step % cfg.trainer.val_interval == 0:
                 validate(step)
         else:
@@ -342,11 +355,15 @@ def run(cfg: DictConfig) -> None:
 
 @torch.no_grad()
 def evaluate(engine, batches, device: torch.device) -> float:
-    """Mean loss over this rank's validation batches, averaged over ranks (forward only)."""
+    """Mean loss over this rank's validation batches, averaged over ranks (forward only). `engine`: the
+    AMSP engine, or a pipeline runner (the losses are on the last stage's ranks)."""
     total, count = 0.0, 0
-    for x, y in batches:
-        total += engine.evaluate(x.to(device), y.to(device)).item()
-        count += 1
+    if hasattr(engine, "evaluate_batches"):  # a pipeline runner: micro-batches go through the schedule
+        total, count = engine.evaluate_batches(batches)
+    else:
+        for x, y in batches:
+            total += engine.evaluate(x.to(device), y.to(device)).item()
+            count += 1
     total, count = control.all_reduce_sum_floats([total, count])  # CPU values: the control plane
     return total / count if count > 0 else float("nan")
 

@@ -168,6 +168,11 @@ class PipelineRunner:
                      name, stages, v, [len(x) for x in layers], num_micro)
 
     def _run(self, fn, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> tuple[float, int]:
+        losses = self._losses(fn, xs, ys)
+        return (sum(losses), len(losses)) if self.last else (0.0, 0)
+
+    def _losses(self, fn, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> list[float]:
+        """Each micro-batch's mean loss (unscaled) on the last stage's ranks, [] elsewhere."""
         device = self.engine.device
         x = torch.cat(xs).to(device) if self.first else None
         y = torch.cat(ys).to(device) if self.last else None
@@ -177,10 +182,7 @@ class PipelineRunner:
                 fn(x, target=y, losses=losses)
             else:
                 fn(target=y, losses=losses)
-        if not self.last:
-            return 0.0, 0
-        total = sum(float(_plain(loss)) for loss in losses) / self.scale
-        return total, len(losses)
+        return [float(_plain(loss.detach())) / self.scale for loss in losses]
 
     def train_step(self, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> tuple[float, int]:
         """All micro-batches of one step: returns (sum of micro-batch mean losses, micro-batches) on the
@@ -196,10 +198,30 @@ class PipelineRunner:
 
     @torch.no_grad()
     def evaluate(self, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> tuple[float, int]:
-        """Forward only, the same micro-batch count as training."""
-        out = self._run(self.schedule.eval, xs, ys)
+        """Forward only over up to num_micro micro-batches (the schedule's count): a short group is padded
+        with copies of its last micro-batch whose losses are left out. (sum of losses, count) on the last
+        stage's ranks, (0.0, 0) elsewhere."""
+        n = len(xs)
+        if not 0 < n <= self.num_micro:
+            raise ValueError(f"evaluate takes 1..{self.num_micro} micro-batches, got {n}")
+        pad = self.num_micro - n
+        xs, ys = list(xs) + [xs[-1]] * pad, list(ys) + [ys[-1]] * pad
+        losses = self._losses(self.schedule.eval, xs, ys)
         self.engine.comm.close_step()  # validation traffic is not part of a training step
-        return out
+        if not self.last:
+            return 0.0, 0
+        return sum(losses[:n]), n
+
+    def evaluate_batches(self, batches) -> tuple[float, int]:
+        """All of this rank's validation micro-batches, num_micro at a time."""
+        total, count, group = 0.0, 0, []
+        for batch in list(batches) + [None]:
+            if batch is not None:
+                group.append(batch)
+            if group and (batch is None or len(group) == self.num_micro):
+                t, c = self.evaluate([x for x, _ in group], [y for _, y in group])
+                total, count, group = total + t, count + c, []
+        return total, count
 
 
 def _boundary_shapes(engine, mesh, parallel_cfg, seq_len: int, micro_batch_size: int):

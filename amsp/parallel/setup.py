@@ -56,3 +56,13 @@ def model_parts(model_cfg: LlamaConfig, parallel_cfg, mesh: ParallelMesh, rank: 
     from .pipeline import stage_parts
 
     return stage_parts(model, parallel_cfg, mesh, rank, loss_context=loss_context)
+
+
+def pipeline_runner(engine, mesh: ParallelMesh | None, rank: int, parallel_cfg, num_micro: int, seq_len: int,
+                    micro_batch_size: int):
+    """The pipeline schedule over this rank's stage(s), or None without pipeline parallelism."""
+    if mesh is None or mesh.pp == 1:
+        return None
+    from .pipeline import PipelineRunner
+
+    return PipelineRunner(engine, mesh, rank, parallel_cfg, num_micro, seq_len, micro_batch_size)
