@@ -6,6 +6,8 @@
     python -m amsp.planner --price zero3 --price 8/8/64 ...   # price named plans (P/G/OS[|P/G/OS])
     python -m amsp.planner --compute-profile prof.json ...    # measured compute instead of FLOPs at MFU
     python -m amsp.planner simulate model=llama2_13b cluster=a800x8 [--gpus 8,16,...,1024] ...
+    python -m amsp.planner --joint model=llama2_70b cluster=h100x8 cluster.nodes=64 ...   # TP x PP x DP x AMSP
+    python -m amsp.planner --joint --hetero configs/clusters_mixed/mixed_a100_v100.yaml ...  # mixed nodes
 
 The arguments after the optional mode are Hydra overrides of the same config train.py composes
 (configs/train.yaml); the cluster's shape is cluster.nodes x cluster.ranks_per_node. A plan that
@@ -22,8 +24,10 @@ import pathlib
 import sys
 
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from amsp.errors import InputError
+from amsp.schedule import Precision
 from configs.schema import register_configs
 
 from .compute_profile import load_profile
@@ -67,6 +71,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="JSON with block_forward_s, block_backward_s, head_forward_backward_s, embedding_s "
                          "[, overlap_slowdown] (compute_profile.ComputeProfile): measured compute instead "
                          "of FLOPs at amsp.planner.mfu")
+    ap.add_argument("--joint", action="store_true",
+                    help="search tensor / pipeline / data parallelism, the layer split, the micro-batch size and "
+                         "each stage's AMSP degrees and recomputation together (amsp/planner/joint)")
+    ap.add_argument("--hetero", metavar="FILE", help="--joint on a mixed cluster: a YAML of node groups "
+                    "(configs/clusters_mixed/); default: the `cluster` preset, cluster.nodes nodes")
+    ap.add_argument("--efficiency", metavar="FILE",
+                    help="--joint: JSON {node preset: fraction of peak its compute reaches}, e.g. measured per "
+                         "GPU type; default: amsp.planner.mfu for every type")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=llama2_13b cluster=a800x8")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
@@ -79,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(mode: str, args) -> int:
     cfg = compose_config(args.overrides)
+    if args.joint:
+        return _run_joint(cfg, args)
     cluster = cluster_spec(cfg)
     profile = load_profile(args.compute_profile) if args.compute_profile else None
     options = options_from_config(cfg, profile)
@@ -115,6 +129,40 @@ def _run(mode: str, args) -> int:
         print(json.dumps({**res.to_json(), "inputs": inputs_json(cfg, w, cluster, options, model)}))
     else:
         print(res.table())
+    return 0
+
+
+def _run_joint(cfg, args) -> int:
+    from configs.schema import to_llama_config
+
+    from .joint.hetero import from_spec, load_hetero
+    from .joint.search import format_joint, plan_joint
+
+    cluster = load_hetero(args.hetero) if args.hetero else from_spec(cluster_spec(cfg))
+    p = planner_config(cfg)
+    eff = {g.name: float(p.mfu) for g in cluster.groups}
+    if args.efficiency:
+        try:
+            eff.update({k: float(v) for k, v in json.loads(pathlib.Path(args.efficiency).read_text()).items()})
+        except (OSError, ValueError, AttributeError) as e:
+            raise InputError(f"--efficiency {args.efficiency}: not a JSON object of preset -> fraction ({e})")
+    seq = int(cfg.data.seq_len)
+    tokens = OmegaConf.select(cfg, "trainer.global_batch_tokens")
+    global_batch = int(tokens) // seq if tokens else int(cfg.trainer.global_batch_size)
+    prec = Precision.named(precision_name(cfg, cluster.groups[0].spec))
+    log = (lambda msg: None) if args.json else (lambda msg: print(msg, file=sys.stderr))
+    plans = plan_joint(to_llama_config(cfg.model), cluster, seq_len=seq, global_batch=global_batch, precision=prec,
+                       efficiency=eff, top_k=p.top_k, memory_margin=p.memory_margin,
+                       reserved_bytes=p.reserved_gib * 2**30, progress=log)
+    if args.json:
+        print(json.dumps({"choice": plans[0].to_json(), "alternatives": [x.to_json() for x in plans[1:]],
+                          "inputs": {"cluster": cluster.describe(), "model": cfg.model.name, "seq_len": seq,
+                                     "global_batch": global_batch, "efficiency": eff,
+                                     "precision": precision_name(cfg, cluster.groups[0].spec)}}))
+    else:
+        print(f"model {cfg.model.name}, seq_len {seq}, global batch {global_batch} samples; compute at "
+              + ", ".join(f"{k} {v:.0%}" for k, v in eff.items()) + " of peak")
+        print(format_joint(plans, cluster))
     return 0
 
 

@@ -1,0 +1,140 @@
+"""A cluster of node groups that may differ: per group a preset of configs/cluster/ (GPU peak, memory,
+links inside a node) and a node count; between groups an optional bandwidth table.
+
+YAML (configs/cluster/mixed_a100_v100.yaml):
+    name: mixed_a100_v100
+    node_groups:
+      - {preset: a100x8, nodes: 2}
+      - {preset: v100x8, nodes: 2}
+    inter_group_gbs: {a100x8-v100x8: 12.5}   # per node, GB/s; default: the slower group's inter-node figure
+
+Ranks are numbered node group by node group, node by node, as a launcher given the hosts in that order
+would number them; the mesh (amsp/parallel/mesh.py) then puts pipeline stage i on ranks
+[i*tp*dp, (i+1)*tp*dp), so a stage lands on the node groups those ranks live on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from dataclasses import dataclass, field
+
+from amsp.errors import InputError
+
+from ..cluster import ClusterSpec, cluster_from_config
+
+CLUSTER_DIR = pathlib.Path(__file__).resolve().parents[3] / "configs" / "cluster"
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    name: str  # the preset's name, e.g. a100x8
+    nodes: int
+    spec: ClusterSpec  # the preset, shaped as this group (nodes x ranks_per_node)
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.spec.ranks_per_node
+
+
+@dataclass(frozen=True)
+class HeteroCluster:
+    name: str
+    groups: tuple[NodeGroup, ...]
+    inter_group_gbs: dict = field(default_factory=dict)  # "a-b" -> GB/s per node
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise InputError(f"cluster {self.name}: no node groups")
+        per_node = {g.spec.ranks_per_node for g in self.groups}
+        if len(per_node) != 1:
+            raise InputError(f"cluster {self.name}: node groups with different GPUs per node {sorted(per_node)}; "
+                             f"the mesh's rank order needs one ranks-per-node figure")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.groups[0].spec.ranks_per_node
+
+    @property
+    def world(self) -> int:
+        return sum(g.gpus for g in self.groups)
+
+    @property
+    def homogeneous(self) -> bool:
+        return len({g.name for g in self.groups}) == 1
+
+    def group_of_rank(self, rank: int) -> NodeGroup:
+        for g in self.groups:
+            if rank < g.gpus:
+                return g
+            rank -= g.gpus
+        raise ValueError(f"rank outside a cluster of {self.world}")
+
+    def groups_of_ranks(self, lo: int, hi: int) -> list[NodeGroup]:
+        """The node groups ranks [lo, hi) live on (a pipeline stage spanning two kinds of node)."""
+        out, start = [], 0
+        for g in self.groups:
+            end = start + g.gpus
+            if start < hi and lo < end:
+                out.append(g)
+            start = end
+        return out
+
+    def link_gbs(self, a: NodeGroup, b: NodeGroup) -> float:
+        """Per-node bandwidth between two node groups (inter-node figure of the slower side by default)."""
+        if a.name == b.name:
+            return a.spec.fallback["inter"].gbps
+        for key in (f"{a.name}-{b.name}", f"{b.name}-{a.name}"):
+            if key in self.inter_group_gbs:
+                return float(self.inter_group_gbs[key])
+        return min(a.spec.fallback["inter"].gbps, b.spec.fallback["inter"].gbps)
+
+    def describe(self) -> str:
+        parts = [f"{g.nodes} x {g.name} ({g.spec.ranks_per_node} GPUs, {g.spec.device_memory_bytes / 2**30:.0f} GiB, "
+                 f"{g.spec.peak_flops / 1e12:.0f} TFLOP/s)" for g in self.groups]
+        return f"cluster {self.name}: " + " + ".join(parts) + f" = {self.world} GPUs"
+
+
+def load_preset(name: str, nodes: int) -> ClusterSpec:
+    """A configs/cluster/<name>.yaml preset as a ClusterSpec of `nodes` nodes."""
+    from omegaconf import OmegaConf
+
+    from configs.schema import ClusterConfig
+
+    path = CLUSTER_DIR / f"{name}.yaml"
+    if not path.is_file():
+        have = sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml"))
+        raise InputError(f"no cluster preset {name!r} in {CLUSTER_DIR} (have: {', '.join(have)})")
+    raw = OmegaConf.load(path)
+    raw.pop("defaults", None)
+    if "node_groups" in raw:
+        raise InputError(f"{path} is a mixed cluster; a node group names a single-node-type preset")
+    node = OmegaConf.merge(OmegaConf.structured(ClusterConfig), raw)
+    return cluster_from_config(node, nodes=nodes)
+
+
+def from_spec(spec: ClusterSpec) -> HeteroCluster:
+    """A homogeneous cluster (the planner's usual ClusterSpec) as one node group."""
+    return HeteroCluster(spec.name, (NodeGroup(spec.name, spec.nodes, spec),))
+
+
+def load_hetero(path: str | pathlib.Path) -> HeteroCluster:
+    """A mixed-cluster YAML (see the module docstring), or a plain preset file as one node group."""
+    from omegaconf import OmegaConf
+
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise InputError(f"cluster file {path} does not exist")
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    if "node_groups" not in raw:
+        return from_spec(load_preset(path.stem, int(raw.get("nodes", 1))))
+    groups = []
+    for i, g in enumerate(raw["node_groups"]):
+        if not isinstance(g, dict) or "preset" not in g or "nodes" not in g:
+            raise InputError(f"{path}: node_groups[{i}] needs `preset` and `nodes`, got {g}")
+        groups.append(NodeGroup(g["preset"], int(g["nodes"]), load_preset(g["preset"], int(g["nodes"]))))
+    return HeteroCluster(raw.get("name", path.stem), tuple(groups), dict(raw.get("inter_group_gbs") or {}))
+
+
+def group_as_cluster(g: NodeGroup, nodes: int, ranks_per_node: int) -> ClusterSpec:
+    """The preset of a node group reshaped to a sub-cluster (a stage's data-parallel group)."""
+    return dataclasses.replace(g.spec, nodes=max(1, nodes), ranks_per_node=ranks_per_node)

@@ -1,0 +1,290 @@
+"""Search of the joint space: (tp, pp, dp, micro-batch size) enumerated, the layer split by dynamic
+programming, then per stage the AMSP degrees and recomputation.
+
+For one (tp, pp, micro-batch size) the split minimises the slowest stage's per-micro-batch time over
+contiguous ranges of units [embedding, block 0 .. block L-1, head] (stage 0 starts with the embedding,
+the last ends with the head, every stage holds a block), each range priced on the node group its stage
+lives on and infeasible (inf) when it does not fit even fully sharded with recomputation:
+    f[i][k] = min over j of max(f[i-1][j], T_i(j, k))
+f[i-1][.] grows with j and T_i(., k) shrinks with j, so the best j is where they cross: a binary search,
+O(pp * L * log L) per candidate instead of O(pp * L^2). The step is then the 1F1B pipeline
+    (B - 1) * max_i t_i + sum_i t_i      (t_i: stage i's micro-batch time, boundary sends included)
+plus the slowest stage's exposed once-per-step AMSP sync and optimizer step. Plans that do not fit are
+never returned.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+from amsp.errors import InputError
+from amsp.schedule import Precision
+from models.llama.config import LlamaConfig
+
+from .hetero import HeteroCluster, NodeGroup
+from .stage_cost import Setting, StageChoice, StagePricer
+
+INF = float("inf")
+
+
+@dataclass
+class JointPlan:
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    num_micro: int  # micro-batches per step per DP rank
+    layer_split: list[int]  # blocks per stage
+    recompute: list[bool]  # full recomputation per stage
+    stage_plans: list[tuple[int, int, int]]  # AMSP (p, g, os) of each stage's DP group
+    stage_nodes: list[str]  # node group each stage runs on
+    schedule: str
+    step_s: float
+    terms: dict  # seconds: pipeline_compute, bubble, boundary_sends, tp_comm, amsp_exposed, optimizer
+    stage_memory_gib: list[float]
+    stage_budget_gib: list[float]
+    decided_by: str = ""
+    mfu: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def key(self) -> str:
+        return f"tp{self.tp} pp{self.pp} dp{self.dp} mbs{self.micro_batch_size}"
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class _Candidate:
+    """One (tp, pp, mbs): stage pricers, the split DP, the per-stage choices and the step time."""
+
+    def __init__(self, s: Setting, cluster: HeteroCluster):
+        self.s, self.cluster = s, cluster
+        per_stage = s.tp * s.dp
+        self.pricers, by_group, comm_cache = [], {}, {}
+        for i in range(s.pp):
+            groups = cluster.groups_of_ranks(i * per_stage, (i + 1) * per_stage)
+            # a stage across two kinds of node runs at the slower one's pace within the smaller memory
+            g = min(groups, key=lambda x: (x.spec.peak_flops, x.spec.device_memory_bytes))
+            if g.name not in by_group:  # stages on the same kind of node price alike: build once
+                by_group[g.name] = StagePricer(s, cluster, i, g, comm_cache)
+            self.pricers.append(by_group[g.name])
+        self.L = s.model.n_layers
+        self._times: dict = {}
+
+    def in_flight(self, i: int) -> int:
+        return min(self.s.pp - i, self.s.micro_batches)  # 1F1B: stage i holds pp - i micro-batches
+
+    def stage_time(self, i: int, j: int, k: int) -> float:
+        """Per-micro-batch compute of stage i holding units [j, k), or inf when it cannot fit."""
+        L = self.L
+        embed, head = j == 0, k == L + 2
+        blocks = min(k, L + 1) - max(j, 1)
+        if blocks < 1:
+            return INF
+        key = (i, blocks, embed, head)  # the time depends on the count, not on which blocks
+        t = self._times.get(key)
+        if t is None:
+            t, p = INF, self.pricers[i]
+            for recompute in (False, True):
+                if p.fits(blocks, embed, head, recompute, self.in_flight(i)):
+                    t = p.compute_s(blocks, embed, head, recompute)
+                    break
+            self._times[key] = t
+        return t
+
+    def shortfall(self) -> float:
+        """Bytes the tightest stage of an even split lacks, fully sharded with recomputation."""
+        pp, per = self.s.pp, -(-self.L // self.s.pp)
+        return max(p.memory(per, i == 0, i == pp - 1, _full(self.s.dp), True, self.in_flight(i))[0] - p.budget
+                   for i, p in enumerate(self.pricers))
+
+    def split(self) -> list[int] | None:
+        """Boundaries b_0=0 < b_1 < ... < b_pp = L+2 minimising the slowest stage (None: nothing fits)."""
+        pp, n = self.s.pp, self.L + 2
+        f = [[INF] * (n + 1) for _ in range(pp)]
+        arg = [[-1] * (n + 1) for _ in range(pp)]
+        for k in range(2, n + 1):
+            f[0][k] = self.stage_time(0, 0, k)
+        for i in range(1, pp):
+            for k in range(i + 2, n + 1):
+                # j: stage i-1 ends (exclusive) at j, stage i holds [j, k) with at least one block, so that
+                # T_i(j, k) only shrinks as j grows (a head-only range would be inf at the top)
+                lo, hi = i + 1, min(k, self.L + 1) - 1
+                if lo > hi:
+                    continue
+                # smallest j with f[i-1][j] >= T_i(j, k): the optimum is there or one before
+                js = list(range(lo, hi + 1))
+                pos = bisect_left(js, True, key=lambda j: f[i - 1][j] >= self.stage_time(i, j, k))
+                best, best_j = INF, -1
+                for j in (js[pos - 1] if pos > 0 else None, js[pos] if pos < len(js) else None):
+                    if j is None:
+                        continue
+                    v = max(f[i - 1][j], self.stage_time(i, j, k))
+                    if v < best:
+                        best, best_j = v, j
+                f[i][k], arg[i][k] = best, best_j
+        if f[pp - 1][n] == INF:
+            return None
+        bounds = [n]
+        for i in range(pp - 1, 0, -1):
+            bounds.append(arg[i][bounds[-1]])
+        return [0] + bounds[::-1][:-1] + [n] if pp > 1 else [0, n]
+
+    def evaluate(self, bounds: list[int]) -> tuple[float, list[StageChoice], dict] | None:
+        s, L = self.s, self.L
+        act = s.micro_batch_size * s.seq_len * s.model.dim * s.precision.param_bytes / s.tp  # one boundary send
+        stages, sends = [], []
+        times = [self.stage_time(i, bounds[i], bounds[i + 1]) for i in range(s.pp)]
+        drains = [sum(2 / 3 * t for t in times[:i]) for i in range(s.pp)]  # earlier stages' backward
+        for i in range(s.pp):
+            j, k = bounds[i], bounds[i + 1]
+            blocks = min(k, L + 1) - max(j, 1)
+            c = self.pricers[i].choose(blocks, j == 0, k == L + 2, self.in_flight(i), drains[i] * s.micro_batches)
+            if c is None:
+                return None
+            stages.append(c)
+            if i + 1 < s.pp:  # activations forward and their gradients back, per micro-batch
+                a, b = self.pricers[i].g, self.pricers[i + 1].g
+                same_node = ((i + 1) * s.tp * s.dp) % self.cluster.ranks_per_node != 0
+                gbs = (a.spec.fallback["intra"].gbps if same_node
+                       else self.cluster.link_gbs(a, b) / self.cluster.ranks_per_node)
+                sends.append(2 * act / (gbs * 1e9))
+        t = []
+        for i, c in enumerate(stages):
+            boundary = (sends[i - 1] if i > 0 else 0.0) + (sends[i] if i < len(sends) else 0.0)
+            t.append(c.compute_s + c.exposed_mb_s + boundary)
+        B = s.micro_batches
+        pipe = (B - 1) * max(t) + sum(t)
+        tail = max(max(0.0, c.sync_s - drains[i] * B) + c.optim_s for i, c in enumerate(stages))
+        ideal = B * sum(c.compute_s for c in stages) / s.pp  # perfectly balanced, no bubble
+        terms = {
+            "pipeline_compute_s": B * max(c.compute_s for c in stages),
+            "bubble_s": pipe - B * max(t),
+            "imbalance_s": B * max(c.compute_s for c in stages) - ideal,
+            "boundary_sends_s": B * max(sends, default=0.0),
+            "tp_comm_s": B * max((min(bounds[i + 1], L + 1) - max(bounds[i], 1)) * p.costs.tp_comm_block
+                                 for i, p in enumerate(self.pricers)),
+            "amsp_exposed_s": B * max(c.exposed_mb_s for c in stages)
+                              + max(max(0.0, c.sync_s - drains[i] * B) for i, c in enumerate(stages)),
+            "optimizer_s": max(c.optim_s for c in stages),
+        }
+        return pipe + tail, stages, terms
+
+
+def plan_joint(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, global_batch: int,
+               precision: Precision, efficiency: dict | None = None, micro_batch_sizes=(1, 2, 4, 8),
+               tp_degrees: list[int] | None = None, top_k: int = 10, memory_margin: float = 0.08,
+               reserved_bytes: float = 2**30, progress=None) -> list[JointPlan]:
+    """Ranked feasible joint plans (fastest first). InputError when nothing fits."""
+    t0 = time.perf_counter()
+    world, gpn = cluster.world, cluster.ranks_per_node
+    eff = efficiency or {}
+    plans, shortfall = [], None
+    tps = tp_degrees or [t for t in _divisors(gpn) if model.n_heads % t == 0 and model.n_kv_heads % t == 0
+                         and model.vocab_size % t == 0 and seq_len % t == 0]
+    combos = [(tp, pp) for tp in tps for pp in _divisors(world // tp) if pp <= model.n_layers]
+    for n, (tp, pp) in enumerate(combos):
+        dp = world // (tp * pp)
+        for mbs in micro_batch_sizes:
+            if global_batch % (dp * mbs):
+                continue
+            B = global_batch // (dp * mbs)
+            s = Setting(model, seq_len, precision, tp, pp, dp, mbs, B, eff, memory_margin, reserved_bytes)
+            cand = _Candidate(s, cluster)
+            bounds = cand.split()
+            if bounds is None:
+                need = cand.shortfall()
+                shortfall = need if shortfall is None else min(shortfall, need)
+                continue
+            res = cand.evaluate(bounds)
+            if res is None:
+                continue
+            step, stages, terms = res
+            flops = 6 * model.num_params() * global_batch * seq_len + 12 * model.n_layers * model.dim * \
+                seq_len * seq_len * global_batch  # attention included, as models/llama/flops.py counts it
+            peak = sum(g.gpus * g.spec.peak_flops for g in cluster.groups)
+            plans.append(JointPlan(
+                tp, pp, dp, mbs, B,
+                layer_split=[min(bounds[i + 1], model.n_layers + 1) - max(bounds[i], 1) for i in range(pp)],
+                recompute=[c.recompute for c in stages],
+                stage_plans=[(c.degrees.p, c.degrees.g, c.degrees.os) for c in stages],
+                stage_nodes=[p.g.name for p in cand.pricers], schedule="1f1b", step_s=step, terms=terms,
+                stage_memory_gib=[c.memory_bytes / 2**30 for c in stages],
+                stage_budget_gib=[p.budget / 2**30 for p in cand.pricers],
+                mfu=flops / (step * peak)))
+        if progress is not None and (n + 1) % 10 == 0:
+            progress(f"joint planner: {n + 1}/{len(combos)} (tp, pp) pairs, {len(plans)} feasible plans, "
+                     f"{time.perf_counter() - t0:.1f} s")
+    if not plans:
+        gib = (shortfall or 0) / 2**30
+        raise InputError(f"no joint plan fits {cluster.describe()}: the most memory-saving layout still "
+                         f"needs {gib:.1f} GiB more per GPU on its tightest stage; add GPUs or shorten data.seq_len")
+    plans.sort(key=lambda p: p.step_s)
+    explain(plans)
+    return plans[:top_k]
+
+
+def _full(dp: int):
+    from amsp.plan import Degrees
+
+    return Degrees(dp, dp, dp)
+
+
+_TERM_WORDS = {
+    "pipeline_compute_s": "the slowest stage's compute", "bubble_s": "the pipeline bubble",
+    "imbalance_s": "stage imbalance", "boundary_sends_s": "activation sends between stages",
+    "tp_comm_s": "tensor-parallel collectives", "amsp_exposed_s": "exposed AMSP communication",
+    "optimizer_s": "the optimizer step",
+}
+
+
+def explain(plans: list[JointPlan]) -> None:
+    """Say, for the winner, which term dominates its step and which term the runner-up lost on."""
+    best = plans[0]
+    big = max((k for k in best.terms if k != "imbalance_s"), key=lambda k: best.terms[k])
+    text = (f"{best.key()} wins at {best.step_s:.3f} s/step (predicted MFU {best.mfu:.1%}); its largest term is "
+            f"{_TERM_WORDS[big]} ({best.terms[big]:.3f} s)")
+    if best.tp > 1:
+        text += f"; TP={best.tp} stays inside a node"
+    if any(best.recompute):
+        text += f"; recomputation on in stages {[i for i, r in enumerate(best.recompute) if r]} (memory)"
+    if len(plans) > 1:
+        nxt = plans[1]
+        diff = max(nxt.terms, key=lambda k: nxt.terms[k] - best.terms.get(k, 0.0))
+        text += (f". Runner-up {nxt.key()} ({nxt.step_s:.3f} s) loses {nxt.terms[diff] - best.terms[diff]:+.3f} s "
+                 f"on {_TERM_WORDS[diff]}")
+    best.decided_by = text
+    for p in plans[1:]:
+        d = max(p.terms, key=lambda k: p.terms[k] - best.terms.get(k, 0.0))
+        p.decided_by = f"{p.step_s - best.step_s:+.3f} s vs the choice, mostly {_TERM_WORDS[d]}"
+
+
+def format_joint(plans: list[JointPlan], cluster: HeteroCluster) -> str:
+    lines = [cluster.describe(), "",
+             f"{'rank':>4} {'tp':>3} {'pp':>3} {'dp':>5} {'mbs':>4} {'B':>4} {'step s':>9} {'MFU':>6}  "
+             f"{'layers/stage':<24} {'AMSP p/g/os per stage':<28} recompute  tightest stage GiB (budget)"]
+    for r, p in enumerate(plans, 1):
+        split = ",".join(map(str, p.layer_split))
+        degs = ",".join("/".join(map(str, d)) for d in p.stage_plans)
+        rc = "".join("R" if x else "-" for x in p.recompute)
+        tight = max(range(p.pp), key=lambda i: p.stage_memory_gib[i] / p.stage_budget_gib[i])
+        mem = f"{p.stage_memory_gib[tight]:.1f} ({p.stage_budget_gib[tight]:.0f})"
+        lines.append(f"{r:>4} {p.tp:>3} {p.pp:>3} {p.dp:>5} {p.micro_batch_size:>4} {p.num_micro:>4} "
+                     f"{p.step_s:>9.3f} {p.mfu:>6.1%}  {_clip(split, 24):<24} {_clip(degs, 28):<28} "
+                     f"{_clip(rc, 9):<9}  {mem}")
+    lines += ["", "why: " + plans[0].decided_by]
+    if len(set(plans[0].stage_nodes)) > 1:
+        lines.append("stages on: " + ", ".join(f"{i}:{n}({s})" for i, (n, s) in
+                                              enumerate(zip(plans[0].stage_nodes, plans[0].layer_split))))
+    return "\n".join(lines)
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"

@@ -1,0 +1,192 @@
+"""What one pipeline stage costs on its kind of node: per-unit compute with tensor-parallel collectives,
+its AMSP communication and optimizer step over its data-parallel group, and its memory.
+
+Units are the engine's (embedding, each block, head). Compute of a block per micro-batch comes from its
+FLOPs (models/llama/flops.py convention, amsp/planner/workload.py) at the node's peak times an efficiency
+(the planner's MFU, or a measured profile per node type), divided by tp; with tensor + sequence
+parallelism a block runs 2 all-gathers and 2 reduce-scatters of its activations forward and again
+backward (Megatron-SP), priced with the node's intra-node curves; full recomputation runs the forward
+(and its collectives) once more. The embedding costs its TP collectives; the head 3x its projection.
+
+AMSP on the stage's DP group prices each unit's collectives as amsp/schedule.py issues them
+(cost_model.layout gives the group shapes): the P all-gathers (forward and backward) and the G
+reduce-scatter per micro-batch, hidden behind that micro-batch's compute as far as it lasts; the G->OS
+reduce-scatter, the OS-replica all-reduce and the spread once per step, hidden behind the pipeline drain
+(the backward of the stages before this one, which finish after it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from amsp.plan import Degrees, enumerate_degrees
+from amsp.schedule import Precision
+from models.llama.config import LlamaConfig
+
+from ..comm_time import collective_seconds
+from ..cost_model import layout
+from ..workload import Workload
+from .hetero import HeteroCluster, NodeGroup, group_as_cluster
+
+OPTIM_BYTES_TOUCHED = 28  # per element of an OS shard: master, two moments read + written, the gradient read
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What every stage shares: model, sequence, precision, degrees, micro-batch shape."""
+    model: LlamaConfig
+    seq_len: int
+    precision: Precision
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    micro_batches: int  # per step per DP rank
+    efficiency: dict  # node preset name -> fraction of peak the compute reaches
+    memory_margin: float = 0.08
+    reserved_bytes: float = 2**30
+
+    def workload(self, recompute: str = "none") -> Workload:
+        return Workload(self.model, self.seq_len, self.micro_batch_size, self.micro_batches, self.precision,
+                        recompute=recompute, tp=self.tp, pp=1)
+
+
+@dataclass(frozen=True)
+class UnitCosts:
+    """Per-unit compute seconds of one micro-batch (forward + backward) on one kind of node."""
+    embed: float
+    block: float
+    block_full: float  # with full recomputation
+    head: float
+    tp_comm_block: float  # the TP collectives inside `block` (for the report)
+
+
+def unit_costs(s: Setting, g: NodeGroup) -> UnitCosts:
+    w = s.workload()
+    rate = g.spec.peak_flops * s.efficiency.get(g.name, 0.45)
+    act = s.micro_batch_size * s.seq_len * s.model.dim * s.precision.param_bytes  # full activation bytes
+    tp = s.tp
+    one = 0.0
+    if tp > 1:  # one all-gather + one reduce-scatter of the activations inside the node
+        one = (collective_seconds(g.spec, "all_gather", act, tp, tp, 1)
+               + collective_seconds(g.spec, "reduce_scatter", act, tp, tp, 1))
+    f = w.block_forward_flops() / rate
+    block = 3 * f + 4 * one  # forward + backward (2x), 2 AG + 2 RS each way
+    block_full = block + f + 2 * one  # the forward again before the backward
+    head = 3 * w.head_forward_flops() / rate + one
+    return UnitCosts(embed=one, block=block, block_full=block_full, head=head, tp_comm_block=4 * one)
+
+
+def unit_params(s: Setting) -> tuple[int, int, int]:
+    """TP-local parameters of the embedding, one block, the head (its norm only when tied)."""
+    w = s.workload()
+    return w.embedding_numel, w.block_numel, w.head_numel
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    degrees: Degrees
+    recompute: bool
+    compute_s: float  # per micro-batch, TP collectives included
+    exposed_mb_s: float  # AMSP per-micro-batch communication left exposed, per micro-batch
+    sync_s: float  # AMSP once-per-step communication (before the drain hides part of it)
+    optim_s: float
+    memory_bytes: float  # peak, reserve included
+    memory_parts: dict
+
+
+class StagePricer:
+    """Prices one stage (index, units, node group) for any AMSP degrees and recomputation."""
+
+    def __init__(self, s: Setting, cluster: HeteroCluster, stage: int, group: NodeGroup,
+                 comm_cache: dict | None = None):
+        self.s, self.stage, self.g = s, stage, group
+        self._comm = {} if comm_cache is None else comm_cache  # (group, numel, degrees) -> seconds
+        gpn = cluster.ranks_per_node
+        self.dp_per_node = min(s.dp, gpn // s.tp)
+        nodes = max(1, s.dp // self.dp_per_node)
+        self.spec = group_as_cluster(group, nodes, gpn)
+        self.costs = unit_costs(s, group)
+        self.params = unit_params(s)
+        self.budget = group.spec.device_memory_bytes
+        self.candidates = enumerate_degrees(s.dp, self.dp_per_node)
+        # activation bytes per micro-batch (the DP over splits asks for them thousands of times)
+        w, wf = s.workload("none"), s.workload("full")
+        self.layer_act = {False: w.layer_activation_bytes(), True: wf.layer_activation_bytes()}
+        self.head_act = w.head_activation_bytes()
+
+    # ---- compute ----
+    def compute_s(self, n_blocks: int, embed: bool, head: bool, recompute: bool) -> float:
+        c = self.costs
+        return (n_blocks * (c.block_full if recompute else c.block) + (c.embed if embed else 0.0)
+                + (c.head if head else 0.0))
+
+    # ---- memory ----
+    def memory(self, n_blocks: int, embed: bool, head: bool, deg: Degrees, recompute: bool,
+               in_flight: int) -> tuple[float, dict]:
+        s, prec = self.s, self.s.precision
+        pe, pb, ph = self.params
+        units = [pb] * n_blocks + ([pe] if embed else []) + ([ph] if head and ph else [])
+        params = sum(units)
+        states = params * (prec.param_bytes / deg.p + 4 / deg.g + prec.optim_bytes / deg.os)
+        biggest = sorted(units, reverse=True)[:2]
+        gathered = sum(biggest) * prec.param_bytes if deg.p > 1 else 0.0  # current + prefetched unit
+        grad_buf = sum(biggest) * prec.grad_bytes  # a unit's flat gradient on its way to the reduce-scatter
+        per_mb = n_blocks * self.layer_act[recompute] + (self.head_act if head else 0.0)
+        acts = in_flight * per_mb + (self.layer_act[False] if recompute else 0.0)
+        tensors = states + gathered + grad_buf + acts
+        total = tensors * (1 + s.memory_margin) + s.reserved_bytes
+        return total, {"states": states, "buffers": gathered + grad_buf, "activations": acts,
+                       "reserve": total - tensors}
+
+    def fits(self, n_blocks: int, embed: bool, head: bool, recompute: bool, in_flight: int) -> bool:
+        """With the most sharded AMSP degrees: can this range live on the stage at all?"""
+        full = Degrees(self.s.dp, self.s.dp, self.s.dp)
+        return self.memory(n_blocks, embed, head, full, recompute, in_flight)[0] <= self.budget
+
+    # ---- AMSP communication ----
+    def _unit_comm(self, numel: int, deg: Degrees) -> tuple[float, float]:
+        """(per micro-batch, once per step) seconds of one unit's collectives."""
+        if numel <= 0 or self.s.dp == 1:
+            return 0.0, 0.0
+        key = (self.g.name, numel, deg)
+        if key not in self._comm:
+            self._comm[key] = self._price_unit(numel, deg)
+        return self._comm[key]
+
+    def _price_unit(self, numel: int, deg: Degrees) -> tuple[float, float]:
+        prec, r, n = self.s.precision, self.dp_per_node, self.s.dp
+
+        def t(kind, key, nbytes):
+            size, k, m = layout(key, deg, r, n)
+            return collective_seconds(self.spec, kind, nbytes, size, k, m) if size > 1 else 0.0
+
+        per_mb = (2 * t("all_gather", "p", numel * prec.param_bytes)
+                  + t("reduce_scatter", "g", numel * prec.grad_bytes))
+        once = (t("reduce_scatter", "g_to_os", numel // deg.g * prec.grad_bytes)
+                + t("all_reduce", "os_replica", numel // deg.os * prec.grad_bytes)
+                + t("all_gather", "spread", numel // deg.p * prec.param_bytes))
+        return per_mb, once
+
+    def choose(self, n_blocks: int, embed: bool, head: bool, in_flight: int, drain_s: float) -> StageChoice | None:
+        """The fastest (AMSP degrees, recomputation) that fits, or None."""
+        pe, pb, ph = self.params
+        best = None
+        for recompute in (False, True):
+            compute = self.compute_s(n_blocks, embed, head, recompute)
+            for deg in self.candidates:
+                mem, parts = self.memory(n_blocks, embed, head, deg, recompute, in_flight)
+                if mem > self.budget:
+                    continue
+                mb_b, once_b = self._unit_comm(pb, deg)
+                mb_e, once_e = self._unit_comm(pe, deg) if embed else (0.0, 0.0)
+                mb_h, once_h = self._unit_comm(ph, deg) if head else (0.0, 0.0)
+                per_mb = n_blocks * mb_b + mb_e + mb_h
+                once = n_blocks * once_b + once_e + once_h
+                params = n_blocks * pb + (pe if embed else 0) + (ph if head else 0)
+                optim = params / deg.os * OPTIM_BYTES_TOUCHED / (self.g.spec.memory_bandwidth_gbs * 1e9)
+                exposed_mb = max(0.0, per_mb - compute)
+                c = StageChoice(deg, recompute, compute, exposed_mb, once, optim, mem, parts)
+                key = (compute + exposed_mb) * self.s.micro_batches + max(0.0, once - drain_s) + optim
+                if best is None or key < best[0]:
+                    best = (key, c)
+        return None if best is None else best[1]

@@ -1,0 +1,91 @@
+"""The joint TP x PP x DP x AMSP planner (amsp/planner/joint): choices on known shapes, feasibility,
+the layer-split dynamic program against brute force, mixed clusters, the CLI's JSON."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from amsp.errors import InputError
+from amsp.planner.joint.hetero import from_spec, load_hetero, load_preset
+from amsp.planner.joint.search import INF, _Candidate, plan_joint
+from amsp.planner.joint.stage_cost import Setting
+from amsp.schedule import Precision
+from models.llama import get_preset
+
+BF16 = Precision.named("bf16")
+MIXED = "configs/clusters_mixed/mixed_a100_v100.yaml"
+
+
+def _fits(plan) -> bool:
+    return all(m <= b for m, b in zip(plan.stage_memory_gib, plan.stage_budget_gib))
+
+
+def test_7b_on_one_h100_node_is_pure_data_parallel():
+    plans = plan_joint(get_preset("llama2_7b"), from_spec(load_preset("h100x8", 1)), seq_len=4096,
+                       global_batch=256, precision=BF16)
+    assert (plans[0].tp, plans[0].pp) == (1, 1) and _fits(plans[0])
+    assert [p.step_s for p in plans] == sorted(p.step_s for p in plans)
+
+
+def test_70b_on_64_h100_nodes_fits_with_tp_inside_a_node_and_says_why():
+    cluster = from_spec(load_preset("h100x8", 64))
+    plans = plan_joint(get_preset("llama2_70b"), cluster, seq_len=4096, global_batch=1024, precision=BF16)
+    best = plans[0]
+    assert best.tp > 1 and 8 % best.tp == 0, "70B at 4k context needs TP; TP groups must stay inside a node"
+    assert all(_fits(p) for p in plans), "an infeasible plan was returned"
+    assert best.tp * best.pp * best.dp == 512 and best.dp * best.micro_batch_size * best.num_micro == 1024
+    assert "stays inside a node" in best.decided_by and "largest term" in best.decided_by
+
+
+def test_mixed_cluster_gives_the_slower_nodes_fewer_layers():
+    cluster = load_hetero(MIXED)
+    plans = plan_joint(get_preset("llama2_7b"), cluster, seq_len=4096, global_batch=256, precision=BF16)
+    staged = [p for p in plans if p.pp > 1 and len(set(p.stage_nodes)) > 1]
+    assert staged, "no pipeline plan spans both node kinds"
+    for p in staged:
+        a100 = [n for n, g in zip(p.layer_split, p.stage_nodes) if g == "a100x8"]
+        v100 = [n for n, g in zip(p.layer_split, p.stage_nodes) if g == "v100x8"]
+        assert max(v100) < min(a100), (p.layer_split, p.stage_nodes)
+        assert _fits(p)
+
+
+def test_split_dp_matches_brute_force():
+    cfg = get_preset("llama2_7b").with_overrides(n_layers=7)
+    cluster = load_hetero(MIXED)
+    finite = 0
+    for tp, pp, mbs in ((2, 2, 1), (1, 4, 1), (2, 4, 2), (4, 2, 1), (8, 4, 1)):
+        dp = cluster.world // (tp * pp)
+        s = Setting(cfg, 4096, BF16, tp, pp, dp, mbs, 64 // (dp * mbs) or 1, {})
+        cand = _Candidate(s, cluster)
+        n = cfg.n_layers + 2
+        brute = INF
+        for cuts in itertools.combinations(range(2, n - 1), pp - 1):
+            b = [0, *cuts, n]
+            brute = min(brute, max(cand.stage_time(i, b[i], b[i + 1]) for i in range(pp)))
+        b = cand.split()
+        if brute == INF:
+            assert b is None, (tp, pp, mbs, b)
+            continue
+        finite += 1
+        got = max(cand.stage_time(i, b[i], b[i + 1]) for i in range(pp))
+        assert got == pytest.approx(brute), (tp, pp, mbs, b)
+    assert finite >= 2, "the brute-force comparison needs feasible cases to mean anything"
+
+
+def test_nothing_fits_is_one_line_naming_the_shortfall():
+    with pytest.raises(InputError, match=r"no joint plan fits .* needs [\d.]+ GiB more per GPU"):
+        plan_joint(get_preset("llama2_70b"), from_spec(load_preset("v100x8", 1)), seq_len=4096, global_batch=64,
+                   precision=BF16)
+
+
+def test_cli_joint_json(capsys):
+    from amsp.planner.__main__ import main
+
+    assert main(["--joint", "--json", "model=llama2_7b", "cluster=h100x8", "cluster.nodes=2", "data.seq_len=4096",
+                 "trainer.global_batch_size=128"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    choice = out["choice"]
+    assert choice["tp"] * choice["pp"] * choice["dp"] == 16 and choice["decided_by"]
+    assert out["inputs"]["global_batch"] == 128 and out["alternatives"]
