@@ -34,6 +34,7 @@ from amsp.metrics.plot import plot_run
 from amsp.metrics.wandb_logger import WandbLogger
 from amsp.build import engine_from_config, plan_from_config, topology_from
 from amsp.optim import WarmupCosine, lr_floor
+from amsp.parallel.joint_startup import joint_plan_for_run, stage_plan
 from amsp.parallel.setup import mesh_from_config, model_parts, pipeline_runner
 from amsp.planner import plan_for_run
 from amsp.replan_switch import Replanner
@@ -139,6 +140,11 @@ def run(cfg: DictConfig) -> None:
     seq_len = cfg.data.seq_len
     if seq_len > model_cfg.max_seq_len:
         raise ValueError(f"data.seq_len={seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}")
+    # parallel.auto: the joint planner picks tp, pp, the layer split, the micro-batch size, per-stage
+    # recomputation and each stage's AMSP degrees; the run proceeds as if they had been given by hand.
+    joint = None
+    if cfg.parallel.auto:
+        cfg, joint = joint_plan_for_run(cfg, denv, device, run_dir if denv.is_main else None)
     # Model parallelism (parallel.tp / parallel.pp): the mesh owns every group; the batch splits over the
     # DP groups only (a TP group and a pipeline read the same samples). None: data parallelism alone.
     mesh = mesh_from_config(cfg, denv)
@@ -149,7 +155,9 @@ def run(cfg: DictConfig) -> None:
     # The sharding plan is chosen (amsp.plan=auto: the partitioner, amsp/planner; probe, ILP, table in
     # RUN_DIR/plan.txt) or checked before anything is built: a broken rule is named right away.
     planned = None
-    if cfg.amsp.plan == "auto" and cfg.amsp.p is None:
+    if joint is not None:
+        plan = stage_plan(joint, mesh, denv.rank)
+    elif cfg.amsp.plan == "auto" and cfg.amsp.p is None:
         planned = plan_for_run(cfg, denv, device, run_dir if denv.is_main else None)
         plan = planned.plan
     else:

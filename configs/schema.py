@@ -214,6 +214,8 @@ class ParallelConfig:
     schedule: str = "1f1b"
     virtual_stages: int = 1  # stages per rank for interleaved schedules
     layer_split: Optional[List[int]] = None  # layers per (virtual) stage; None: balanced, embedding and head weighted
+    # full activation recomputation per pipeline stage (the joint planner sets it); None: model.activation_checkpointing
+    recompute_stages: Optional[List[bool]] = None
     # The joint planner (amsp/planner/joint) chooses tp, pp, the layer split, the micro-batch size and the
     # AMSP degrees at startup; needs amsp.plan=auto.
     auto: bool = False

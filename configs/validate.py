@@ -204,6 +204,10 @@ def _parallel_problems(cfg: DictConfig) -> list[str]:
         if p.sequence_parallel and _int(seq) and seq % p.tp:
             out.append(f"parallel.sequence_parallel=true is not allowed with data.seq_len={seq}: not divisible "
                        f"by parallel.tp={p.tp} (set parallel.sequence_parallel=false)")
+    flags = OmegaConf.select(p, "recompute_stages")
+    if flags is not None and len(flags) != stages:
+        out.append(f"parallel.recompute_stages={list(flags)} is not allowed: expected {stages} flags (pp x "
+                   f"virtual_stages)")
     if p.pp > 1 and OmegaConf.select(cfg, "model.tie_embeddings"):
         out.append("parallel.pp > 1 is not allowed with model.tie_embeddings=true: the embedding and the head "
                    "live on different stages")

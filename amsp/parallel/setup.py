@@ -40,6 +40,7 @@ def model_parts(model_cfg: LlamaConfig, parallel_cfg, mesh: ParallelMesh, rank: 
     `device_mesh`: the torch DeviceMesh of `mesh` (made once per run: creating one is collective)."""
     with torch.device("meta"):
         model = Llama(model_cfg)
+    _recompute_per_stage(model, parallel_cfg, mesh)
     loss_context = ModelParts.loss_context  # the no-op default
     if mesh.tp > 1:
         from .tensor_parallel import parallelize_llama
@@ -66,3 +67,20 @@ def pipeline_runner(engine, mesh: ParallelMesh | None, rank: int, parallel_cfg, 
     from .pipeline import PipelineRunner
 
     return PipelineRunner(engine, mesh, rank, parallel_cfg, num_micro, seq_len, micro_batch_size)
+
+
+def _recompute_per_stage(model, parallel_cfg, mesh: ParallelMesh) -> None:
+    """parallel.recompute_stages: full recomputation on the blocks of the stages that need it (the joint
+    planner turns it on only where a stage's activations would not fit), none elsewhere."""
+    flags = getattr(parallel_cfg, "recompute_stages", None)
+    if flags is None:
+        return
+    from .pipeline import split_layers
+
+    stages = mesh.pp * int(getattr(parallel_cfg, "virtual_stages", 1))
+    if len(flags) != stages:
+        raise ValueError(f"parallel.recompute_stages has {len(flags)} entries for {stages} pipeline stages")
+    layers = split_layers(model.cfg.n_layers, stages, getattr(parallel_cfg, "layer_split", None))
+    for on, stage in zip(flags, layers):
+        for i in stage:
+            model.layers[i].checkpointing = "full" if on else "none"

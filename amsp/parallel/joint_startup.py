@@ -1,0 +1,82 @@
+"""parallel.auto: the joint planner (amsp/planner/joint) at training startup.
+
+Rank 0 prices the joint space on the run's cluster (the `cluster` preset shaped by the launcher, or the
+device's own preset on a GPU, as the AMSP planner does) with the compute efficiency measured on this
+machine (one block's forward timed at the run's shape: amsp/planner/compute_profile.py, cached), and
+every rank receives the choice over the control plane. The run then takes the plan's tp, pp, layer
+split, micro-batch size and per-stage recomputation as if they had been given by hand, and each rank
+the AMSP degrees of its own stage's DP group.
+"""
+from __future__ import annotations
+
+import logging
+import pathlib
+
+from omegaconf import DictConfig, OmegaConf
+
+from amsp import control
+
+log = logging.getLogger(__name__)
+
+
+def joint_plan_for_run(cfg: DictConfig, denv, device, run_dir: pathlib.Path | None):
+    """(cfg with parallel.* and trainer.micro_batch_size set from the choice, the JointPlan). Collective."""
+    from configs.schema import to_llama_config
+
+    from ..planner.from_config import cluster_spec, planner_config, precision_name
+    from ..planner.joint.hetero import from_spec
+    from ..planner.joint.search import format_joint, plan_joint
+    from ..planner.startup import measured_compute, ranks_per_node
+    from ..planner.workload import Workload
+    from ..schedule import Precision
+
+    p = planner_config(cfg)
+    model = to_llama_config(cfg.model)
+    seq = int(cfg.data.seq_len)
+    tokens = OmegaConf.select(cfg, "trainer.global_batch_tokens")
+    global_batch = int(tokens) // seq if tokens else int(cfg.trainer.global_batch_size)
+    profile = measured_compute(cfg, denv, device) if p.measure_compute else None  # collective
+    box: list = [None]
+    if denv.rank == 0:
+        r = ranks_per_node(cfg, denv.local_world_size)
+        try:
+            spec = cluster_spec(cfg, nodes=denv.world_size // r, ranks_per_node=r, local_ranks=denv.local_world_size,
+                                device=device)
+            cluster = from_spec(spec)
+            prec = Precision.named(precision_name(cfg, spec))
+            eff, source = float(p.mfu), f"amsp.planner.mfu={p.mfu}"
+            if profile is not None:  # the measured block forward against its FLOPs at this machine's peak
+                w = Workload(model, seq, int(cfg.trainer.micro_batch_size), 1, prec)
+                eff = min(1.0, w.block_forward_flops() / (profile.block_forward_s * spec.peak_flops))
+                source = f"{profile.source}: one block's forward at {eff:.0%} of the peak"
+            plans = plan_joint(model, cluster, seq_len=seq, global_batch=global_batch, precision=prec,
+                               efficiency={spec.name: eff}, top_k=p.top_k, memory_margin=p.memory_margin,
+                               reserved_bytes=p.reserved_gib * 2**30)
+            text = f"joint planner (compute: {source})\n" + format_joint(plans, cluster)
+            log.info("%s", text)
+            if run_dir is not None:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                (run_dir / "plan.txt").write_text(text + "\n")
+            box[0] = plans[0]
+        except (ValueError, RuntimeError) as e:  # InputError is a ValueError: tell the other ranks, then raise
+            box[0] = e
+    if denv.world_size > 1:
+        box[0] = control.broadcast_object(box[0], src=0)
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    plan = box[0]
+    cfg = OmegaConf.merge(cfg, {
+        "parallel": {"tp": plan.tp, "pp": plan.pp, "layer_split": plan.layer_split if plan.pp > 1 else None,
+                     "schedule": "1f1b", "virtual_stages": 1, "recompute_stages": plan.recompute},
+        "trainer": {"micro_batch_size": plan.micro_batch_size},
+    })
+    return cfg, plan
+
+
+def stage_plan(plan, mesh, rank: int):
+    """The AMSP Plan of this rank's stage (its DP group's degrees, for blocks and embedding+head)."""
+    from ..plan import Degrees, Plan
+
+    stage = mesh.coords(rank).pp if mesh is not None else 0
+    deg = Degrees(*plan.stage_plans[stage])
+    return Plan(deg, deg, name="joint")
