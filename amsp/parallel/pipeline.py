@@ -127,6 +127,9 @@ class PipelineRunner:
             raise InputError(f"parallel.schedule={name!r} is not one of {'|'.join(SCHEDULES)} (zero-bubble schedules "
                              f"split the weight gradients from the input gradients, which the AMSP gradient hooks "
                              f"do not follow yet)")
+        if mesh.pp < 2:
+            raise ValueError("a pipeline runner needs parallel.pp >= 2; with one stage the engine runs the "
+                             "micro-batches itself")
         v = int(parallel_cfg.virtual_stages)
         if (v > 1) != (name == "interleaved"):
             raise InputError(f"parallel.schedule={name} with parallel.virtual_stages={v}: the interleaved schedule "

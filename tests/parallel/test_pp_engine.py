@@ -27,7 +27,7 @@ def _batch(step: int, micro: int, data_rank: int, vocab: int):
     return t[:, :-1], t[:, 1:]
 
 
-def _reference(n_layers: int, dp: int) -> dict:
+def _reference(n_layers: int, dp: int, steps: int = STEPS) -> dict:
     from amsp.optim import param_groups
     from models.llama import build_model
     from tests.amsp.amsp_cases import SCHEDULE, SETTINGS
@@ -37,7 +37,7 @@ def _reference(n_layers: int, dp: int) -> dict:
     opt = torch.optim.AdamW(param_groups(model, SETTINGS.weight_decay), lr=SCHEDULE(0), betas=SETTINGS.betas,
                             eps=SETTINGS.eps, foreach=False)
     losses, norms = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = SCHEDULE(step)
         total = 0.0
@@ -84,19 +84,26 @@ def _run(rank: int, world: int, cases: list[dict]) -> list[dict]:
         eng = AMSPEngine(cfg, plan, mesh.dp_topology(rank), rank, seed=SEED, mesh=mesh,
                          parts=stage_parts(model, pcfg, mesh, rank, loss_context=ctx),
                          options=EngineOptions(precision="fp32", optim=SETTINGS))
-        runner = PipelineRunner(eng, mesh, rank, pcfg, MICRO, SEQ, MBS)
-        ref = _reference(case["layers"], mesh.dp)
+        runner = PipelineRunner(eng, mesh, rank, pcfg, MICRO, SEQ, MBS) if mesh.pp > 1 else None
+        steps = case.get("steps", STEPS)
+        ref = _reference(case["layers"], mesh.dp, steps)
         data_rank = mesh.coords(rank).dp
         loss_err = norm_err = 0.0
-        for step in range(STEPS):
+        for step in range(steps):
             xs, ys = zip(*(_batch(step, m, data_rank, cfg.vocab_size) for m in range(MICRO)))
-            total, count = runner.train_step(list(xs), list(ys))
+            if runner is not None:
+                total, count = runner.train_step(list(xs), list(ys))
+            else:  # no pipeline: the engine runs the micro-batches itself
+                total = sum(eng.forward_backward(x, y, m, MICRO).item() for m, (x, y) in enumerate(zip(xs, ys)))
+                count = MICRO
             res = eng.step(SCHEDULE(step))
             total, count = control.all_reduce_sum_floats([total, float(count)])
             loss_err = max(loss_err, rel(total / count, ref["losses"][step]))
             norm_err = max(norm_err, rel(res.grad_norm, ref["norms"][step]))
         vx, vy = zip(*(_batch(99, m, data_rank, cfg.vocab_size) for m in range(MICRO)))
-        val, n = control.all_reduce_sum_floats([float(v) for v in runner.evaluate(list(vx), list(vy))])
+        held = runner.evaluate(list(vx), list(vy)) if runner is not None else \
+            (sum(eng.evaluate(x, y).item() for x, y in zip(vx, vy)), MICRO)
+        val, n = control.all_reduce_sum_floats([float(v) for v in held])
         out.append({"case": case, "loss_err": loss_err, "norm_err": norm_err, "val": val / max(n, 1),
                     "param_err": _worst_param_error(eng, ref["params"])})
     return out
@@ -117,3 +124,25 @@ def test_pp_dp_and_pp_tp_equal_single_process():
         for r in rank_results:
             assert r["loss_err"] <= 1e-5 and r["norm_err"] <= 1e-5 and r["param_err"] <= 1e-5, r
             assert 0 < r["val"] < 20, r
+
+
+EIGHT_RANK_CASES = [  # the acceptance shape: 8 ranks, 20 steps, AMSP plans other than 1/1/1
+    {"tp": 2, "pp": 1, "schedule": "1f1b", "layers": 4, "blocks": (4, 4, 4), "steps": 20},  # TP x DP (zero3)
+    {"pp": 2, "schedule": "1f1b", "layers": 4, "blocks": (2, 4, 4), "steps": 20},  # PP x DP
+    {"tp": 2, "pp": 2, "schedule": "1f1b", "layers": 4, "blocks": (1, 2, 2), "steps": 20},  # TP x PP x DP (zero2)
+]
+
+
+@pytest.mark.slow  # 8 spawned ranks on a small machine: about a minute and a half
+def test_eight_ranks_tp_pp_dp_20_steps_equal_single_process():
+    results = run_distributed(_run, 8, EIGHT_RANK_CASES, timeout=900)
+    worst = [{k: max(rank[i][k] for rank in results) for k in ("loss_err", "norm_err", "param_err")}
+             for i in range(len(EIGHT_RANK_CASES))]
+    print("8 ranks, 20 steps, worst over ranks:", list(zip([c.get("tp", 1) for c in EIGHT_RANK_CASES],
+                                                              [c["pp"] for c in EIGHT_RANK_CASES], worst)))
+    for case, w in zip(EIGHT_RANK_CASES, worst):
+        # Losses within 1e-5 (measured: about 1e-7). Weights, relative per fragment: the split matmuls and
+        # the sharded reductions sum in another order than one process, and over 20 AdamW steps that
+        # grows where a gradient is near zero: measured 1.2e-5 to 1.8e-5, so 3e-5 (a dropped shard or a
+        # double-counted copy is off by far more: tests/parallel/test_tp_engine.py). Gradient norm 1e-4.
+        assert w["loss_err"] <= 1e-5 and w["param_err"] <= 3e-5 and w["norm_err"] <= 1e-4, (case, w)
