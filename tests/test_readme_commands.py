@@ -138,9 +138,15 @@ def assert_composes_with_exact_batch(cmd: Command, overrides, world: int) -> Non
         cfg = compose(tuple(overrides))
     except Exception as e:  # noqa: BLE001 - any failure is the README's command failing
         pytest.fail(f"{cmd}\n  does not compose: {e}")
+    model_parallel = cfg.parallel.tp * cfg.parallel.pp
+    assert world % model_parallel == 0, f"{cmd}\n  parallel.tp x parallel.pp does not divide the {world} ranks"
+    world //= model_parallel  # the batch splits over the data-parallel ranks only
+    if cfg.parallel.auto:
+        return  # the joint planner picks the micro-batch size so that it splits
     g = batch_geometry(cfg, world, announce=False)
     assert not g.rounded, (f"{cmd}\n  global batch {g.requested} does not split into micro-batches of "
-                           f"{g.micro_batch} on {world} ranks (train.py would round it to {g.global_batch})")
+                           f"{g.micro_batch} on {world} data-parallel ranks (train.py would round it to "
+                           f"{g.global_batch})")
 
 
 def after(argv, marker: str) -> list[str]:

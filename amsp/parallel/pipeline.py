@@ -134,6 +134,9 @@ class PipelineRunner:
         if (v > 1) != (name == "interleaved"):
             raise InputError(f"parallel.schedule={name} with parallel.virtual_stages={v}: the interleaved schedule "
                              f"needs virtual_stages >= 2, the others 1")
+        if name != "gpipe" and num_micro < mesh.pp:
+            raise InputError(f"parallel.schedule={name} needs at least parallel.pp={mesh.pp} micro-batches per step, "
+                             f"got {num_micro}: lower trainer.micro_batch_size or raise trainer.global_batch_size")
         if name == "interleaved" and num_micro % mesh.pp:
             raise InputError(f"the interleaved schedule needs the micro-batches per step ({num_micro}) to be a "
                              f"multiple of parallel.pp={mesh.pp}; change trainer.global_batch_size or micro_batch_size")
