@@ -49,9 +49,11 @@ def joint_plan_for_run(cfg: DictConfig, denv, device, run_dir: pathlib.Path | No
                 w = Workload(model, seq, int(cfg.trainer.micro_batch_size), 1, prec)
                 eff = min(1.0, w.block_forward_flops() / (profile.block_forward_s * spec.peak_flops))
                 source = f"{profile.source}: one block's forward at {eff:.0%} of the peak"
+            slowdown = p.overlap_slowdown if p.overlap_slowdown is not None else \
+                (profile.overlap_slowdown if profile is not None else None)
             plans = plan_joint(model, cluster, seq_len=seq, global_batch=global_batch, precision=prec,
                                efficiency={spec.name: eff}, top_k=p.top_k, memory_margin=p.memory_margin,
-                               reserved_bytes=p.reserved_gib * 2**30)
+                               reserved_bytes=p.reserved_gib * 2**30, overlap_slowdown=slowdown)
             text = f"joint planner (compute: {source})\n" + format_joint(plans, cluster)
             log.info("%s", text)
             if run_dir is not None:

@@ -137,7 +137,12 @@ class _Candidate:
             bounds.append(arg[i][bounds[-1]])
         return [0] + bounds[::-1][:-1] + [n] if pp > 1 else [0, n]
 
-    def evaluate(self, bounds: list[int]) -> tuple[float, list[StageChoice], dict] | None:
+    def evaluate(self, bounds: list[int], degrees=None, recompute=None) -> tuple[float, list[StageChoice], dict] | None:
+        """Step time of this split; `degrees` (one Degrees for every stage) and `recompute` (bool) fix
+        what is otherwise chosen per stage."""
+        return self._evaluate(bounds, degrees, recompute)
+
+    def _evaluate(self, bounds: list[int], degrees, recompute) -> tuple[float, list[StageChoice], dict] | None:
         s, L = self.s, self.L
         act = s.micro_batch_size * s.seq_len * s.model.dim * s.precision.param_bytes / s.tp  # one boundary send
         stages, sends = [], []
@@ -146,7 +151,8 @@ class _Candidate:
         for i in range(s.pp):
             j, k = bounds[i], bounds[i + 1]
             blocks = min(k, L + 1) - max(j, 1)
-            c = self.pricers[i].choose(blocks, j == 0, k == L + 2, self.in_flight(i), drains[i] * s.micro_batches)
+            c = self.pricers[i].choose(blocks, j == 0, k == L + 2, self.in_flight(i), drains[i] * s.micro_batches,
+                                       degrees, (False, True) if recompute is None else (recompute,))
             if c is None:
                 return None
             stages.append(c)
@@ -181,7 +187,8 @@ class _Candidate:
 def plan_joint(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, global_batch: int,
                precision: Precision, efficiency: dict | None = None, micro_batch_sizes=(1, 2, 4, 8),
                tp_degrees: list[int] | None = None, top_k: int = 10, memory_margin: float = 0.08,
-               reserved_bytes: float = 2**30, progress=None) -> list[JointPlan]:
+               reserved_bytes: float = 2**30, overlap_slowdown: float | None = None,
+               progress=None) -> list[JointPlan]:
     """Ranked feasible joint plans (fastest first). InputError when nothing fits."""
     t0 = time.perf_counter()
     world, gpn = cluster.world, cluster.ranks_per_node
@@ -196,7 +203,8 @@ def plan_joint(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, glob
             if global_batch % (dp * mbs):
                 continue
             B = global_batch // (dp * mbs)
-            s = Setting(model, seq_len, precision, tp, pp, dp, mbs, B, eff, memory_margin, reserved_bytes)
+            s = Setting(model, seq_len, precision, tp, pp, dp, mbs, B, eff, memory_margin, reserved_bytes,
+                        overlap_slowdown)
             cand = _Candidate(s, cluster)
             bounds = cand.split()
             if bounds is None:
@@ -288,3 +296,29 @@ def format_joint(plans: list[JointPlan], cluster: HeteroCluster) -> str:
 
 def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def price_config(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, global_batch: int,
+                 precision: Precision, tp: int, pp: int, micro_batch_size: int, degrees,
+                 recompute: bool = False, layer_split: list[int] | None = None, efficiency: dict | None = None,
+                 memory_margin: float = 0.08, reserved_bytes: float = 2**30,
+                 overlap_slowdown: float | None = None) -> tuple[float, dict] | None:
+    """Predicted step seconds and terms of one named configuration (benchmarks compare it with a run),
+    or None when it does not fit. layer_split: blocks per stage (None: the DP's split)."""
+    dp = cluster.world // (tp * pp)
+    B = global_batch // (dp * micro_batch_size)
+    s = Setting(model, seq_len, precision, tp, pp, dp, micro_batch_size, B, efficiency or {}, memory_margin,
+                reserved_bytes, overlap_slowdown)
+    cand = _Candidate(s, cluster)
+    if layer_split is None:
+        bounds = cand.split()
+        if bounds is None:
+            return None
+    else:  # units: the embedding, then the blocks, then the head
+        bounds, pos = [0], 1
+        for n in layer_split:
+            pos += n
+            bounds.append(pos)
+        bounds[-1] = model.n_layers + 2
+    res = cand.evaluate(bounds, degrees, recompute)
+    return None if res is None else (res[0], res[2])

@@ -44,6 +44,9 @@ class Setting:
     efficiency: dict  # node preset name -> fraction of peak the compute reaches
     memory_margin: float = 0.08
     reserved_bytes: float = 2**30
+    # compute seconds lost per second of communication hidden behind it (measured at startup by
+    # compute_profile.py, as for the AMSP planner); None: each node group's preset figure
+    overlap_slowdown: float | None = None
 
     def workload(self, recompute: str = "none") -> Workload:
         return Workload(self.model, self.seq_len, self.micro_batch_size, self.micro_batches, self.precision,
@@ -167,13 +170,15 @@ class StagePricer:
                 + t("all_gather", "spread", numel // deg.p * prec.param_bytes))
         return per_mb, once
 
-    def choose(self, n_blocks: int, embed: bool, head: bool, in_flight: int, drain_s: float) -> StageChoice | None:
-        """The fastest (AMSP degrees, recomputation) that fits, or None."""
+    def choose(self, n_blocks: int, embed: bool, head: bool, in_flight: int, drain_s: float,
+               degrees: Degrees | None = None, recompute_options=(False, True)) -> StageChoice | None:
+        """The fastest (AMSP degrees, recomputation) that fits, or None; `degrees` / `recompute_options`
+        restrict the choice (pricing a plan someone named)."""
         pe, pb, ph = self.params
         best = None
-        for recompute in (False, True):
+        for recompute in recompute_options:
             compute = self.compute_s(n_blocks, embed, head, recompute)
-            for deg in self.candidates:
+            for deg in ([degrees] if degrees is not None else self.candidates):
                 mem, parts = self.memory(n_blocks, embed, head, deg, recompute, in_flight)
                 if mem > self.budget:
                     continue
@@ -184,7 +189,10 @@ class StagePricer:
                 once = n_blocks * once_b + once_e + once_h
                 params = n_blocks * pb + (pe if embed else 0) + (ph if head else 0)
                 optim = params / deg.os * OPTIM_BYTES_TOUCHED / (self.g.spec.memory_bandwidth_gbs * 1e9)
-                exposed_mb = max(0.0, per_mb - compute)
+                # what the compute cannot hide, plus what hiding the rest costs the compute
+                slowdown = self.s.overlap_slowdown if self.s.overlap_slowdown is not None \
+                    else self.g.spec.overlap_slowdown
+                exposed_mb = max(0.0, per_mb - compute) + slowdown * min(per_mb, compute)
                 c = StageChoice(deg, recompute, compute, exposed_mb, once, optim, mem, parts)
                 key = (compute + exposed_mb) * self.s.micro_batches + max(0.0, once - drain_s) + optim
                 if best is None or key < best[0]:
