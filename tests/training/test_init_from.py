@@ -167,6 +167,16 @@ def test_init_from_hf_four_ranks_sharded_plan(hf_dir, corpus, tmp_path):
     assert abs(first_loss(run) - hf_loss(hf_dir, x, y)) < 1e-5
 
 
+@pytest.mark.slow  # one more 4-rank launch; the fast suite keeps the data-parallel one above
+def test_init_from_hf_tensor_parallel(hf_dir, corpus, tmp_path):
+    """tp=2 x dp=2: each rank fills its TP shard of every matrix from the full HF tensors."""
+    run = tmp_path / "from_hf_tp2"
+    train(run, f"trainer.init_from={hf_dir}", "trainer.max_steps=1", "amsp.plan=zero3", "parallel.tp=2", *FAST,
+          *data_overrides(hf_dir, corpus), nproc=4)
+    x, y = first_global_batch(run)
+    assert abs(first_loss(run) - hf_loss(hf_dir, x, y)) < 1e-5
+
+
 def _fill_on_plans(rank: int, world: int, hf_dir: str) -> list[tuple[str, float, float]]:
     """Per (plan, precision): the largest difference between this rank's fp32 masters and the HF
     weights (in our layout), and between its P shard and the weights rounded to the compute dtype."""
