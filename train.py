@@ -35,6 +35,7 @@ from amsp.metrics.wandb_logger import WandbLogger
 from amsp.build import engine_from_config, plan_from_config, topology_from
 from amsp.optim import WarmupCosine, lr_floor
 from amsp.parallel.joint_startup import joint_plan_for_run, stage_plan
+from amsp.parallel.pipeline import check_micro_batches
 from amsp.parallel.setup import mesh_from_config, model_parts, pipeline_runner
 from amsp.planner import plan_for_run
 from amsp.replan_switch import Replanner
@@ -152,6 +153,8 @@ def run(cfg: DictConfig) -> None:
     geometry = batch_geometry(cfg, dp_world, announce=denv.is_main)  # rounded to whole micro-batches
     gbs, accum = geometry.global_batch, geometry.accumulation
     mbs = cfg.trainer.micro_batch_size
+    if mesh is not None and mesh.pp > 1:  # the schedule's needs of the micro-batch count, before any build
+        check_micro_batches(cfg.parallel.schedule, accum, mesh.pp)
     # The sharding plan is chosen (amsp.plan=auto: the partitioner, amsp/planner; probe, ILP, table in
     # RUN_DIR/plan.txt) or checked before anything is built: a broken rule is named right away.
     planned = None

@@ -81,6 +81,16 @@ def stage_parts(model, parallel_cfg, mesh, rank: int, loss_context=nullcontext):
                       chunk_of_layer=chunk_of, embed_chunk=0, head_chunk=v - 1, loss_context=loss_context)
 
 
+def check_micro_batches(schedule: str, num_micro: int, pp: int) -> None:
+    """What the schedules need of a step's micro-batch count (train.py asks before building anything)."""
+    if schedule != "gpipe" and num_micro < pp:
+        raise InputError(f"parallel.schedule={schedule} needs at least parallel.pp={pp} micro-batches per step, "
+                         f"got {num_micro}: lower trainer.micro_batch_size or raise trainer.global_batch_size")
+    if schedule == "interleaved" and num_micro % pp:
+        raise InputError(f"the interleaved schedule needs the micro-batches per step ({num_micro}) to be a "
+                         f"multiple of parallel.pp={pp}; change trainer.global_batch_size or micro_batch_size")
+
+
 class StageModule(nn.Module):
     """One pipeline stage of a Llama: references to its embedding (first stage), blocks and head (last
     stage). Takes tokens or hidden states, returns hidden states or logits."""
@@ -134,12 +144,7 @@ class PipelineRunner:
         if (v > 1) != (name == "interleaved"):
             raise InputError(f"parallel.schedule={name} with parallel.virtual_stages={v}: the interleaved schedule "
                              f"needs virtual_stages >= 2, the others 1")
-        if name != "gpipe" and num_micro < mesh.pp:
-            raise InputError(f"parallel.schedule={name} needs at least parallel.pp={mesh.pp} micro-batches per step, "
-                             f"got {num_micro}: lower trainer.micro_batch_size or raise trainer.global_batch_size")
-        if name == "interleaved" and num_micro % mesh.pp:
-            raise InputError(f"the interleaved schedule needs the micro-batches per step ({num_micro}) to be a "
-                             f"multiple of parallel.pp={mesh.pp}; change trainer.global_batch_size or micro_batch_size")
+        check_micro_batches(name, num_micro, mesh.pp)
         self.engine, self.mesh, self.num_micro = engine, mesh, num_micro
         ensure_rank_groups(mesh.pp_groups())  # collective: every rank creates every pipeline group
         group = process_group(mesh.pp_ranks(rank))
