@@ -1,9 +1,10 @@
 """parallel.auto: the joint planner (amsp/planner/joint) at training startup.
 
 Rank 0 prices the joint space on the run's cluster (the `cluster` preset shaped by the launcher, or the
-device's own preset on a GPU, as the AMSP planner does) with the compute efficiency measured on this
-machine (one block's forward timed at the run's shape: amsp/planner/compute_profile.py, cached), and
-every rank receives the choice over the control plane. The run then takes the plan's tp, pp, layer
+device's own preset on a GPU, as the AMSP planner does; the collective probe's curves merged in) with
+what this machine measures: one block's forward at the run's shape (amsp/planner/compute_profile.py,
+cached) and the tensor-parallel units timed on real TP groups of every candidate tp
+(amsp/parallel/tp_profile.py); every rank receives the choice over the control plane. The run then takes the plan's tp, pp, layer
 split, micro-batch size and per-stage recomputation as if they had been given by hand, and each rank
 the AMSP degrees of its own stage's DP group.
 """
@@ -26,7 +27,7 @@ def joint_plan_for_run(cfg: DictConfig, denv, device, run_dir: pathlib.Path | No
     from ..planner.from_config import cluster_spec, planner_config, precision_name
     from ..planner.joint.hetero import from_spec
     from ..planner.joint.search import format_joint, plan_joint
-    from ..planner.startup import measured_compute, ranks_per_node
+    from ..planner.startup import measured_compute, probe_for_run, ranks_per_node, with_probe
     from ..planner.workload import Workload
     from ..schedule import Precision
 
@@ -35,13 +36,16 @@ def joint_plan_for_run(cfg: DictConfig, denv, device, run_dir: pathlib.Path | No
     seq = int(cfg.data.seq_len)
     tokens = OmegaConf.select(cfg, "trainer.global_batch_tokens")
     global_batch = int(tokens) // seq if tokens else int(cfg.trainer.global_batch_size)
+    points = probe_for_run(cfg, denv, device)  # collective
     profile = measured_compute(cfg, denv, device) if p.measure_compute else None  # collective
+    tp_times = measured_tp_units(cfg, model, denv, device) if p.measure_compute else {}  # collective
     box: list = [None]
     if denv.rank == 0:
         r = ranks_per_node(cfg, denv.local_world_size)
         try:
             spec = cluster_spec(cfg, nodes=denv.world_size // r, ranks_per_node=r, local_ranks=denv.local_world_size,
                                 device=device)
+            spec = with_probe(spec, points, p)
             cluster = from_spec(spec)
             prec = Precision.named(precision_name(cfg, spec))
             eff, source = float(p.mfu), f"amsp.planner.mfu={p.mfu}"
@@ -51,9 +55,15 @@ def joint_plan_for_run(cfg: DictConfig, denv, device, run_dir: pathlib.Path | No
                 source = f"{profile.source}: one block's forward at {eff:.0%} of the peak"
             slowdown = p.overlap_slowdown if p.overlap_slowdown is not None else \
                 (profile.overlap_slowdown if profile is not None else None)
+            mbs = int(cfg.trainer.micro_batch_size)
+            units = {(spec.name, tp, mbs): v for tp, v in tp_times.items()}
+            if profile is not None:  # tp 1: the profile's own units
+                units[(spec.name, 1, mbs)] = (profile.block_forward_s + profile.block_backward_s,
+                                              profile.head_forward_backward_s, profile.embedding_s)
             plans = plan_joint(model, cluster, seq_len=seq, global_batch=global_batch, precision=prec,
                                efficiency={spec.name: eff}, top_k=p.top_k, memory_margin=p.memory_margin,
-                               reserved_bytes=p.reserved_gib * 2**30, overlap_slowdown=slowdown)
+                               reserved_bytes=p.reserved_gib * 2**30, overlap_slowdown=slowdown,
+                               unit_times=units)
             text = f"joint planner (compute: {source})\n" + format_joint(plans, cluster)
             log.info("%s", text)
             if run_dir is not None:
@@ -73,6 +83,27 @@ def joint_plan_for_run(cfg: DictConfig, denv, device, run_dir: pathlib.Path | No
         "trainer": {"micro_batch_size": plan.micro_batch_size},
     })
     return cfg, plan
+
+
+def measured_tp_units(cfg: DictConfig, model, denv, device) -> dict:
+    """{tp: (block, head, embedding) seconds} for every tp the joint planner may pick on this run's nodes,
+    timed on real TP groups (amsp/parallel/tp_profile.py). Collective; {} on one rank."""
+    from ..planner.startup import ranks_per_node
+    from .tp_profile import measure_tp_units
+
+    r = ranks_per_node(cfg, denv.local_world_size)
+    seq, mbs = int(cfg.data.seq_len), int(cfg.trainer.micro_batch_size)
+    dims = (model.n_heads, model.n_kv_heads, model.vocab_size, model.ffn_hidden_dim, seq)
+    tps = [t for t in range(2, r + 1) if r % t == 0 and denv.world_size % t == 0 and all(d % t == 0 for d in dims)]
+    a, t = OmegaConf.select(cfg, "amsp.precision") or "auto", cfg.trainer.dtype
+    dtype = a if a != "auto" else t if t != "auto" else "bf16" if device.type == "cuda" else "fp32"
+    out = {}
+    for tp in tps:
+        times = measure_tp_units(model, seq, mbs, dtype, device, tp, denv.world_size)
+        if denv.rank == 0:
+            log.info("tensor-parallel profile: %s", times.describe())
+        out[tp] = (times.block_s, times.head_s, times.embedding_s)
+    return out
 
 
 def stage_plan(plan, mesh, rank: int):

@@ -4,7 +4,8 @@ One spawned 4-rank gloo group runs every case: TP x DP with AMSP plans other tha
 group, sequence parallelism on and off, tied embeddings, GQA (the debug preset: 4 query / 2 kv heads).
 Each DP rank feeds its own micro-batches and both ranks of a TP group the same ones, so the reference
 is amsp_cases.reference() over dp data ranks. A last case counts the TP-replicated gradient copies on
-every TP rank (the bug the engine's norm_counted prevents) and must miss the reference's norm.
+every TP rank (the bug the engine's norm_counted prevents) and must miss the reference's norm. The
+joint planner's startup timing of the TP units (amsp/parallel/tp_profile.py) runs in the same group.
 """
 from __future__ import annotations
 
@@ -91,6 +92,12 @@ def _run(rank: int, world: int, cases: list[dict]) -> list[dict]:
         tp = case["tp"]
         if tp not in meshes and tp > 1:  # DeviceMesh creation is collective: once per shape
             meshes[tp] = ParallelMesh(world, world, tp=tp).device_mesh("cpu")
+        if case.get("profile"):  # the joint planner's startup timing of TP units on real TP groups
+            from amsp.parallel.tp_profile import measure_tp_units
+
+            t = measure_tp_units(model_cfg(), 16, 2, "fp32", "cpu", tp, world, repeats=1)
+            out.append({"case": case, "times": (t.block_s, t.head_s, t.embedding_s)})
+            continue
         eng, mesh = _engine(rank, world, {**case, "device_mesh": meshes.get(tp)})
         if case.get("fault"):
             _count_replicated_copies_everywhere(eng)
@@ -127,6 +134,7 @@ CASES = [
     {"tp": 2, "sp": False, "blocks": (1, 2, 2), "tie": True},  # zero2, tied embeddings
     {"tp": 2, "sp": True, "blocks": (1, 1, 2)},  # zero1
     {"tp": 2, "sp": True, "blocks": (2, 2, 2), "fault": True},
+    {"tp": 2, "profile": True},
 ]
 
 
@@ -141,13 +149,19 @@ def test_tp_dp_equals_single_process(tmp_path):
                   {"tp": 1, "sp": False, "blocks": (2, 2, 2), "save_flat": flat_run},
                   {"tp": 1, "sp": False, "blocks": (1, 1, 4), "load": flat_run, "saved_dp": 4}]
     results = run_distributed(_run, 4, CASES + ckpt_cases, timeout=300)
+    profiles = [r["times"] for rank_results in results for r in rank_results if r["case"].get("profile")]
+    assert len(profiles) == 4 and all(p == profiles[0] for p in profiles), \
+        f"every rank must get the slowest rank's TP unit times: {profiles}"
+    assert all(0 < t < 60 for t in profiles[0]), profiles[0]
     for r in results[0]:
         c = r["case"]
+        if c.get("profile"):
+            continue
         if c.get("fault"):
             assert r["norm_err"] > 1e-5, f"counting replicated copies on every TP rank went unnoticed: {r}"
             continue
         assert r["loss_err"] <= 1e-5 and r["norm_err"] <= 1e-5 and r["param_err"] <= 1e-5, r
     for rank_results in results[1:]:  # every rank checked its own shards
         for r in rank_results:
-            if not r["case"].get("fault"):
+            if not (r["case"].get("fault") or r["case"].get("profile")):
                 assert r["param_err"] <= 1e-5, r

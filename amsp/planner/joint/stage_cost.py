@@ -7,6 +7,10 @@ FLOPs (models/llama/flops.py convention, amsp/planner/workload.py) at the node's
 parallelism a block runs 2 all-gathers and 2 reduce-scatters of its activations forward and again
 backward (Megatron-SP), priced with the node's intra-node curves; full recomputation runs the forward
 (and its collectives) once more. The embedding costs its TP collectives; the head 3x its projection.
+Where the units were timed at startup on this kind of node (Setting.unit_times: the block, head and
+embedding forward + backward at this tp, amsp/parallel/tp_profile.py for tp > 1), those times replace
+the FLOPs estimate: they include what the bytes-only TP model leaves out (per-collective dispatch,
+narrower matmuls), and recomputation adds a third of the block (its forward).
 
 AMSP on the stage's DP group prices each unit's collectives as amsp/schedule.py issues them
 (cost_model.layout gives the group shapes): the P all-gathers (forward and backward) and the G
@@ -16,7 +20,7 @@ reduce-scatter, the OS-replica all-reduce and the spread once per step, hidden b
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from amsp.plan import Degrees, enumerate_degrees
 from amsp.schedule import Precision
@@ -47,6 +51,9 @@ class Setting:
     # compute seconds lost per second of communication hidden behind it (measured at startup by
     # compute_profile.py, as for the AMSP planner); None: each node group's preset figure
     overlap_slowdown: float | None = None
+    # (node preset name, tp, micro-batch size) -> (block, head, embedding) forward + backward seconds
+    # of one micro-batch, measured at startup; missing entries are priced from FLOPs
+    unit_times: dict = field(default_factory=dict)
 
     def workload(self, recompute: str = "none") -> Workload:
         return Workload(self.model, self.seq_len, self.micro_batch_size, self.micro_batches, self.precision,
@@ -72,11 +79,26 @@ def unit_costs(s: Setting, g: NodeGroup) -> UnitCosts:
     if tp > 1:  # one all-gather + one reduce-scatter of the activations inside the node
         one = (collective_seconds(g.spec, "all_gather", act, tp, tp, 1)
                + collective_seconds(g.spec, "reduce_scatter", act, tp, tp, 1))
+    measured = measured_units(s, g.name)
+    if measured is not None:
+        block, head, embed = measured
+        return UnitCosts(embed=embed, block=block, block_full=block * 4 / 3, head=head, tp_comm_block=4 * one)
     f = w.block_forward_flops() / rate
     block = 3 * f + 4 * one  # forward + backward (2x), 2 AG + 2 RS each way
     block_full = block + f + 2 * one  # the forward again before the backward
     head = 3 * w.head_forward_flops() / rate + one
     return UnitCosts(embed=one, block=block, block_full=block_full, head=head, tp_comm_block=4 * one)
+
+
+def measured_units(s: Setting, node: str) -> tuple[float, float, float] | None:
+    """(block, head, embedding) seconds per micro-batch measured for this node type and tp: at this
+    micro-batch size, else from the nearest measured size scaled in proportion (None: not measured)."""
+    sizes = [m for (n, tp, m) in s.unit_times if n == node and tp == s.tp]
+    if not sizes:
+        return None
+    m = min(sizes, key=lambda x: (abs(x - s.micro_batch_size), x))
+    scale = s.micro_batch_size / m
+    return tuple(t * scale for t in s.unit_times[(node, s.tp, m)])
 
 
 def unit_params(s: Setting) -> tuple[int, int, int]:
