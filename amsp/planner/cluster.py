@@ -130,7 +130,11 @@ class ClusterSpec:
     fallback: Mapping[str, AlphaBeta] = field(default_factory=dict)  # scope -> alpha-beta
     source: str = "preset"  # preset | probe | cache: where the curves came from
     overlap_slowdown: float = 0.1  # compute seconds lost per second of hidden communication
-
+    # CPU ranks sharing one machine's cores: (ranks per machine, the time a rank computing alone takes
+    # as a fraction of its time while all of them compute). None: ranks never slow each other (GPUs).
+    # The compute profile is timed with every rank busy; a pipeline stage idle in the bubble hands its
+    # cores to the busy ones (amsp/planner/joint/search.py prices that).
+    shared_cores: tuple[int, float] | None = None
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.ranks_per_node < 1:
@@ -138,6 +142,9 @@ class ClusterSpec:
                              f"must be positive")
         if self.device_memory_bytes <= 0 or self.peak_flops <= 0:
             raise ValueError(f"cluster {self.name}: device memory and peak FLOP/s must be positive")
+        if self.shared_cores is not None and not (self.shared_cores[0] >= 1 and 0 < self.shared_cores[1] <= 1):
+            raise ValueError(f"cluster {self.name}: shared_cores={self.shared_cores} must be (ranks >= 1, "
+                             f"lone-rank time fraction in (0, 1])")
         if not 0 <= self.overlap_slowdown <= 1:
             raise ValueError(f"cluster {self.name}: overlap_slowdown={self.overlap_slowdown} must be in [0, 1] "
                              f"(compute seconds lost per second of hidden communication)")
@@ -173,7 +180,9 @@ class ClusterSpec:
         lines = [f"cluster {self.name}: {self.nodes} node(s) x {self.ranks_per_node} ranks, "
                  f"{self.device_memory_bytes / 2**30:.1f} GiB/device, peak {self.peak_flops / 1e12:.4g} TFLOP/s "
                  f"({self.dtype}), bandwidths from {self.source} (bus GB/s by per-rank chunk; inter = per node), "
-                 f"hidden communication slows compute by {self.overlap_slowdown:.2f} s/s"]
+                 f"hidden communication slows compute by {self.overlap_slowdown:.2f} s/s"
+                 + (f"; {self.shared_cores[0]} ranks share a machine's cores (a rank alone computes in "
+                    f"{self.shared_cores[1]:.2f}x the time it takes when all are busy)" if self.shared_cores else "")]
         for scope in SCOPES:
             for kind in KINDS:
                 c = self.curves.get((kind, scope))

@@ -55,14 +55,14 @@ def device_name(device) -> str:
 
 
 def cache_key(model_cfg, seq_len: int, micro_batch: int, dtype: str, recompute: str, device, world: int,
-              backend: str | None) -> str:
+              backend: str | None, cores_shared: bool = False) -> str:
     import torch
 
     shape = {"device": device_name(device), "dim": model_cfg.dim, "ffn": model_cfg.ffn_hidden_dim,
              "heads": model_cfg.n_heads, "kv_heads": model_cfg.n_kv_heads, "vocab": model_cfg.vocab_size,
              "tie": model_cfg.tie_embeddings, "attention": str(model_cfg.attention), "seq": seq_len,
              "mbs": micro_batch, "dtype": dtype, "recompute": recompute, "torch": torch.__version__,
-             "world": world, "backend": backend}
+             "world": world, "backend": backend, "cores_shared": cores_shared}
     return hashlib.sha1(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -173,9 +173,14 @@ def measure_overlap_slowdown(parts, device, comm_bytes: int, repeats: int = 3) -
 
 def measure_profile(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, recompute: str, device,
                     world: int, rank: int, cache_dir: pathlib.Path | None = None, use_cache: bool = True,
-                    overlap_fallback: float | None = None) -> ComputeProfile:
+                    overlap_fallback: float | None = None, cores_shared: bool = False) -> ComputeProfile:
     """The run's ComputeProfile: cached, else measured on every rank at once (the ranks of a machine
-    share it, as in training) with the median over ranks kept. Collective when world > 1."""
+    share it, as in training) with the median over ranks kept. Collective when world > 1.
+
+    cores_shared: this machine's ranks oversubscribe its CPU cores (from_config.cpu_shared_cores). No
+    core is then idle to run the communication, so its CPU time is taken from compute one for one: the
+    overlap slowdown is 1 by construction (measured there it read anything from 0.2 to 1.0 from one run
+    to the next, the difference of two noisy timings), and it is not measured."""
     import torch
     import torch.distributed as dist
 
@@ -184,7 +189,7 @@ def measure_profile(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, 
     device = torch.device(device)
     distributed = world > 1 and dist.is_initialized()
     backend = dist.get_backend() if distributed else None
-    key = cache_key(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, world, backend)
+    key = cache_key(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, world, backend, cores_shared)
     path = (cache_dir or default_cache_dir()) / f"compute-{key}.json"
     cached = None
     if rank == 0 and use_cache and path.exists():
@@ -209,10 +214,13 @@ def measure_profile(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, 
     slowdown = None
     if distributed:
         block_bytes = sum(p.numel() * p.element_size() for p in parts[0].parameters())
-        mine = measure_overlap_slowdown(parts, device, block_bytes)
+        mine = 1.0 if cores_shared else measure_overlap_slowdown(parts, device, block_bytes)
         rows = control.all_gather_object([times[f] for f in FIELDS] + [mine])
         times = {f: statistics.median(r[i] for r in rows) for i, f in enumerate(FIELDS)}
         slowdown = min(1.0, statistics.median(r[-1] for r in rows))
+        if cores_shared and rank == 0:
+            log.info("compute profile: the ranks share this machine's cores, so hidden communication takes its "
+                     "CPU time from compute one for one: overlap slowdown 1 (not measured)")
     elif rank == 0:
         log.info("compute profile: a single process has no concurrent communication to measure; overlap "
                  "slowdown from %s", "the cluster preset" if overlap_fallback is None else "the config")

@@ -124,6 +124,41 @@ def cluster_spec(cfg: DictConfig, nodes: int | None = None, ranks_per_node: int 
         a, t = OmegaConf.select(cfg, "amsp.precision") or "auto", cfg.trainer.dtype
         cuda = device is not None and torch.device(device).type == "cuda"
         dtype = a if a != "auto" else t if t != "auto" else "bf16" if cuda else c.dtype
-        c = resolve_measured_fields(c, local_ranks or ranks_per_node or c.ranks_per_node, dtype, device)
+        local = local_ranks or ranks_per_node or c.ranks_per_node
+        c = resolve_measured_fields(c, local, dtype, device)
         c.dtype = "bf16" if cuda else c.dtype  # what the engine's auto precision picks on this device
+        if not cuda:  # this machine's CPU, measured: its ranks share its cores
+            from dataclasses import replace
+
+            spec = cluster_from_config(c, nodes=nodes, ranks_per_node=ranks_per_node)
+            return replace(spec, shared_cores=cpu_shared_cores(machine_ranks(local)))
     return cluster_from_config(c, nodes=nodes, ranks_per_node=ranks_per_node)
+
+
+MACHINE_RANKS_ENV = "AMSP_MACHINE_RANKS"
+
+
+def machine_ranks(local_world_size: int) -> int:
+    """Ranks running on this machine: the launcher's local world, unless AMSP_MACHINE_RANKS says more (the
+    emulated cluster, scripts/bench/netns_cluster.py, runs several 'nodes' on one machine)."""
+    return int(os.environ.get(MACHINE_RANKS_ENV) or local_world_size)
+
+
+def cpu_shared_cores(local_ranks: int, threads: int | None = None) -> tuple[int, float] | None:
+    """(local ranks, a lone rank's time / its time with all busy) when `local_ranks` ranks of `threads`
+    threads each (this process's torch threads by default: torchrun gives every rank the same) oversubscribe
+    this machine's cores; None when each rank has cores of its own."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = threads or torch.get_num_threads()
+    if local_ranks * threads <= cores:
+        return None
+    busy_share = cores / local_ranks  # cores per rank while every rank computes
+    alone = min(1.0, busy_share / min(threads, cores))
+    if alone >= 1.0:
+        return None
+    log.info("cpu: %d ranks x %d thread(s) share %d cores: a rank computing alone runs in %.2fx the time it takes "
+             "while all compute (the joint planner prices pipeline bubbles with it)", local_ranks, threads, cores,
+             alone)
+    return local_ranks, alone

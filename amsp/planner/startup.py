@@ -21,7 +21,8 @@ from amsp import control
 from amsp.plan import Plan
 from amsp.topology import Topology
 
-from .from_config import cluster_spec, options_from_config, planner_config, workload_from_config
+from .from_config import (cluster_spec, cpu_shared_cores, machine_ranks, options_from_config, planner_config,
+                          workload_from_config)
 from .compute_profile import ComputeProfile, measure_profile
 from .probe import apply_points, probe_points, probe_sizes
 from .ilp import SolverError
@@ -63,10 +64,7 @@ def plan_for_run(cfg: DictConfig, denv, device: torch.device | str = "cpu",
         p = planner_config(cfg)
     r = ranks_per_node(cfg, denv.local_world_size)
     topo = Topology(denv.world_size, r)
-    points = None
-    if p.probe and denv.world_size > 1 and dist.is_initialized():
-        points = probe_points(topo, denv.rank, device, pathlib.Path(p.cache_dir) if p.cache_dir else None,
-                              p.probe_cache, probe_sizes(p.probe_max_mib * 2**20), p.probe_budget_s)
+    points = probe_for_run(cfg, denv, device)
     profile = measured_compute(cfg, denv, device) if p.measure_compute else None
     box: list = [None]
     error = None
@@ -74,11 +72,7 @@ def plan_for_run(cfg: DictConfig, denv, device: torch.device | str = "cpu",
         try:
             cluster = cluster_spec(cfg, nodes=topo.nodes, ranks_per_node=r, local_ranks=denv.local_world_size,
                                    device=device)
-            if points is not None:
-                cluster = apply_points(cluster, *points)
-            else:
-                why = "amsp.planner.probe=false" if not p.probe else "a single process has nothing to measure"
-                log.info("planner: no bandwidth probe (%s); using the %s cluster figures", why, cluster.name)
+            cluster = with_probe(cluster, points, p)
             box[0] = _solve(cfg, cluster, p, run_dir, profile)
         except (NoFeasiblePlan, ValueError, SolverError) as e:  # tell the other ranks, then raise here
             error, box[0] = e, f"{type(e).__name__}: {e}"
@@ -91,6 +85,26 @@ def plan_for_run(cfg: DictConfig, denv, device: torch.device | str = "cpu",
     return box[0]
 
 
+def probe_for_run(cfg: DictConfig, denv, device: torch.device):
+    """The collective probe's (points, source) on the run's ranks (probe.py), or None when it is off or
+    there is one process. Collective."""
+    p = planner_config(cfg)
+    if not (p.probe and denv.world_size > 1 and dist.is_initialized()):
+        return None
+    topo = Topology(denv.world_size, ranks_per_node(cfg, denv.local_world_size))
+    return probe_points(topo, denv.rank, device, pathlib.Path(p.cache_dir) if p.cache_dir else None,
+                        p.probe_cache, probe_sizes(p.probe_max_mib * 2**20), p.probe_budget_s)
+
+
+def with_probe(cluster, points, p):
+    """The cluster with the probe's curves merged in, or as it is (logged) without a probe."""
+    if points is not None:
+        return apply_points(cluster, *points)
+    why = "amsp.planner.probe=false" if not p.probe else "a single process has nothing to measure"
+    log.info("planner: no bandwidth probe (%s); using the %s cluster figures", why, cluster.name)
+    return cluster
+
+
 def measured_compute(cfg: DictConfig, denv, device: torch.device) -> ComputeProfile:
     """The run's compute profile (compute_profile.py), measured on every rank or read from the cache.
     Collective when the world has several ranks."""
@@ -101,9 +115,10 @@ def measured_compute(cfg: DictConfig, denv, device: torch.device) -> ComputeProf
     a, t = OmegaConf.select(cfg, "amsp.precision") or "auto", cfg.trainer.dtype
     dtype = a if a != "auto" else t if t != "auto" else "bf16" if device.type == "cuda" else "fp32"
     cache = pathlib.Path(p.cache_dir) if p.cache_dir else None  # next to the probe's files
+    shared = device.type == "cpu" and cpu_shared_cores(machine_ranks(denv.local_world_size)) is not None
     return measure_profile(model, cfg.data.seq_len, cfg.trainer.micro_batch_size, dtype,
                            model.activation_checkpointing, device, denv.world_size, denv.rank, cache,
-                           p.probe_cache, p.overlap_slowdown)
+                           p.probe_cache, p.overlap_slowdown, cores_shared=shared)
 
 
 def _solve(cfg, cluster, p, run_dir, profile: ComputeProfile | None = None) -> PlanOutcome:

@@ -294,7 +294,9 @@ class NetnsCluster:
                                  "LOCAL_WORLD_SIZE": str(ranks_per_node), "MASTER_ADDR": self.node_addr(0),
                                  "MASTER_PORT": str(master_port), "GLOO_SOCKET_IFNAME": NODE_IF,
                                  "OMP_NUM_THREADS": str(threads_per_rank),
-                                 "MKL_NUM_THREADS": str(threads_per_rank), "AMSPB_NODE": str(node)})
+                                 "MKL_NUM_THREADS": str(threads_per_rank), "AMSPB_NODE": str(node),
+                                 # every emulated node is this one machine: its cores are shared by all
+                                 "AMSP_MACHINE_RANKS": str(world)})
                     path = os.path.join(log_dir, f"rank{rank}.log")
                     fh = open(path, "w")
                     logs.append((rank, node, path))

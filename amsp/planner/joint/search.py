@@ -168,11 +168,16 @@ class _Candidate:
             t.append(c.compute_s + c.exposed_mb_s + boundary)
         B = s.micro_batches
         pipe = (B - 1) * max(t) + sum(t)
+        busy_pipe = pipe
+        shared = self.pricers[0].g.spec.shared_cores
+        if shared is not None and s.pp > 1:
+            pipe = shared_core_pipeline(pipe, t, B, s.tp * s.dp, *shared)
         tail = max(max(0.0, c.sync_s - drains[i] * B) + c.optim_s for i, c in enumerate(stages))
         ideal = B * sum(c.compute_s for c in stages) / s.pp  # perfectly balanced, no bubble
         terms = {
             "pipeline_compute_s": B * max(c.compute_s for c in stages),
-            "bubble_s": pipe - B * max(t),
+            "bubble_s": max(0.0, pipe - B * max(t)),
+            "idle_cores_reused_s": pipe - busy_pipe,
             "imbalance_s": B * max(c.compute_s for c in stages) - ideal,
             "boundary_sends_s": B * max(sends, default=0.0),
             "tp_comm_s": B * max((min(bounds[i + 1], L + 1) - max(bounds[i], 1)) * p.costs.tp_comm_block
@@ -184,11 +189,22 @@ class _Candidate:
         return pipe + tail, stages, terms
 
 
+def shared_core_pipeline(pipe: float, t: list[float], B: int, stage_ranks: int, machine_ranks: int,
+                         alone: float) -> float:
+    """1F1B step seconds on machines whose ranks share cores (CPU). `t`: per-micro-batch seconds of
+    each stage timed with every rank busy; a stage idle in the bubble gives its cores to the others.
+    Two bounds, the larger holds: the pipeline's critical path at the lone-rank speed (pipe * alone),
+    and each machine's total work spread over its ranks (the cores never idle while work is left)."""
+    work = [B * t[r // stage_ranks] for r in range(len(t) * stage_ranks)]  # per rank, all-busy seconds
+    machines = [work[m:m + machine_ranks] for m in range(0, len(work), machine_ranks)]
+    return max(pipe * alone, max(sum(w) / machine_ranks for w in machines))
+
+
 def plan_joint(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, global_batch: int,
                precision: Precision, efficiency: dict | None = None, micro_batch_sizes=(1, 2, 4, 8),
                tp_degrees: list[int] | None = None, top_k: int = 10, memory_margin: float = 0.08,
                reserved_bytes: float = 2**30, overlap_slowdown: float | None = None,
-               progress=None) -> list[JointPlan]:
+               unit_times: dict | None = None, progress=None) -> list[JointPlan]:
     """Ranked feasible joint plans (fastest first). InputError when nothing fits."""
     t0 = time.perf_counter()
     world, gpn = cluster.world, cluster.ranks_per_node
@@ -204,7 +220,7 @@ def plan_joint(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, glob
                 continue
             B = global_batch // (dp * mbs)
             s = Setting(model, seq_len, precision, tp, pp, dp, mbs, B, eff, memory_margin, reserved_bytes,
-                        overlap_slowdown)
+                        overlap_slowdown, unit_times or {})
             cand = _Candidate(s, cluster)
             bounds = cand.split()
             if bounds is None:
@@ -250,6 +266,7 @@ _TERM_WORDS = {
     "imbalance_s": "stage imbalance", "boundary_sends_s": "activation sends between stages",
     "tp_comm_s": "tensor-parallel collectives", "amsp_exposed_s": "exposed AMSP communication",
     "optimizer_s": "the optimizer step",
+    "idle_cores_reused_s": "the cores idle pipeline stages hand to busy ones (CPU ranks sharing cores; <= 0)",
 }
 
 
@@ -302,13 +319,13 @@ def price_config(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, gl
                  precision: Precision, tp: int, pp: int, micro_batch_size: int, degrees,
                  recompute: bool = False, layer_split: list[int] | None = None, efficiency: dict | None = None,
                  memory_margin: float = 0.08, reserved_bytes: float = 2**30,
-                 overlap_slowdown: float | None = None) -> tuple[float, dict] | None:
+                 overlap_slowdown: float | None = None, unit_times: dict | None = None) -> tuple[float, dict] | None:
     """Predicted step seconds and terms of one named configuration (benchmarks compare it with a run),
     or None when it does not fit. layer_split: blocks per stage (None: the DP's split)."""
     dp = cluster.world // (tp * pp)
     B = global_batch // (dp * micro_batch_size)
     s = Setting(model, seq_len, precision, tp, pp, dp, micro_batch_size, B, efficiency or {}, memory_margin,
-                reserved_bytes, overlap_slowdown)
+                reserved_bytes, overlap_slowdown, unit_times or {})
     cand = _Candidate(s, cluster)
     if layer_split is None:
         bounds = cand.split()

@@ -1,0 +1,74 @@
+"""The joint planner priced from what startup measures: TP units timed on real groups replace the
+FLOPs + bytes estimate, and CPU ranks sharing a machine's cores make a pipeline's idle stages give
+their cores to the busy ones (amsp/planner/joint/search.shared_core_pipeline)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from amsp.plan import Degrees
+from amsp.planner.from_config import cpu_shared_cores
+from amsp.planner.joint.hetero import from_spec, load_preset
+from amsp.planner.joint.search import price_config, shared_core_pipeline
+from amsp.planner.joint.stage_cost import Setting, measured_units, unit_costs
+from amsp.schedule import Precision
+from models.llama import get_preset
+
+FP32 = Precision.named("fp32")
+TINY = get_preset("tiny")
+
+
+def _cluster(shared=None):
+    spec = replace(load_preset("h100x8", 1).with_shape(2, 2), shared_cores=shared)
+    return from_spec(spec)
+
+
+def _price(cluster, tp=1, pp=1, mbs=2, units=None, deg=(1, 1, 1)):
+    return price_config(TINY, cluster, seq_len=128, global_batch=16, precision=FP32, tp=tp, pp=pp,
+                        micro_batch_size=mbs, degrees=Degrees(*deg), reserved_bytes=0, unit_times=units)
+
+
+def test_measured_units_replace_the_flops_estimate_and_scale_with_the_micro_batch():
+    cluster = _cluster()
+    name = cluster.groups[0].name
+    s = Setting(TINY, 128, FP32, 2, 1, 2, 2, 4, {}, unit_times={(name, 2, 1): (0.05, 0.04, 0.01)})
+    assert measured_units(s, name) == pytest.approx((0.10, 0.08, 0.02)), "nearest measured size, in proportion"
+    assert measured_units(s, "other-node") is None
+    c = unit_costs(s, cluster.groups[0])
+    assert (c.block, c.head, c.embed) == pytest.approx((0.10, 0.08, 0.02))
+    assert c.block_full == pytest.approx(0.10 * 4 / 3), "recomputation adds the forward, a third of fwd+bwd"
+    # a measured TP block 10x its estimate makes the whole TP step dearer; tp 1 is untouched
+    flops_only = _price(cluster, tp=2)[0]
+    est = unit_costs(replace(s, unit_times={}), cluster.groups[0])
+    slow = {(name, 2, 2): (10 * est.block, est.head, est.embed)}
+    assert _price(cluster, tp=2, units=slow)[0] > 5 * flops_only
+    assert _price(cluster, tp=1, units=slow)[0] == pytest.approx(_price(cluster, tp=1)[0])
+
+
+def test_shared_core_pipeline_bounds():
+    # 4 stages of one rank on one 4-rank machine, 8 micro-batches, a rank alone runs 2x faster
+    t = [1.0, 1.0, 1.0, 3.0]
+    pipe = 7 * 3.0 + sum(t)  # the 1F1B step with every rank at the all-busy speed: 27
+    work = 8 * sum(t) / 4  # the machine's cores never idle while work is left: 12
+    assert shared_core_pipeline(pipe, t, 8, 1, 4, 0.5) == pytest.approx(max(pipe * 0.5, work))
+    # balanced stages with a small bubble: the total work bounds it
+    assert shared_core_pipeline(11.0, [1.0] * 4, 8, 1, 4, 0.5) == pytest.approx(8.0)
+    # two machines: the busier one decides
+    assert shared_core_pipeline(27.0, t, 8, 1, 2, 0.9) == pytest.approx(max(27 * 0.9, 8 * 4.0 / 2))
+
+
+def test_pipeline_on_shared_cores_is_cheaper_and_data_parallel_unchanged():
+    alone, shared = _cluster(), _cluster((4, 0.5))
+    pp_alone, terms_alone = _price(alone, pp=4)
+    pp_shared, terms = _price(shared, pp=4)
+    assert pp_shared < pp_alone and terms["idle_cores_reused_s"] < 0 == terms_alone["idle_cores_reused_s"]
+    assert _price(shared)[0] == pytest.approx(_price(alone)[0]), "every rank busy: nothing to hand over"
+
+
+def test_cpu_shared_cores(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert cpu_shared_cores(4, threads=1) == (4, 0.5)
+    assert cpu_shared_cores(2, threads=1) is None, "a core per rank: nothing shared"
+    assert cpu_shared_cores(4, threads=2) == (4, 0.25), "alone, a 2-thread rank uses both cores"
+    assert cpu_shared_cores(1, threads=8) is None
