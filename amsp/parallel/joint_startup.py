@@ -4,9 +4,9 @@ Rank 0 prices the joint space on the run's cluster (the `cluster` preset shaped 
 device's own preset on a GPU, as the AMSP planner does; the collective probe's curves merged in) with
 what this machine measures: one block's forward at the run's shape (amsp/planner/compute_profile.py,
 cached) and the tensor-parallel units timed on real TP groups of every candidate tp
-(amsp/parallel/tp_profile.py); every rank receives the choice over the control plane. The run then takes the plan's tp, pp, layer
-split, micro-batch size and per-stage recomputation as if they had been given by hand, and each rank
-the AMSP degrees of its own stage's DP group.
+(amsp/parallel/tp_profile.py); every rank receives the choice over the control plane. The run then
+takes the plan's tp, pp, layer split, micro-batch size and per-stage recomputation as if they had been
+given by hand, and each rank the AMSP degrees of its own stage's DP group.
 """
 from __future__ import annotations
 

@@ -16,8 +16,6 @@ filled with small random numbers on the run's device.
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
@@ -39,23 +37,6 @@ class TPUnitTimes:
                 f"embedding {self.embedding_s * 1e3:.2f} ms")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median(fn, device: torch.device, repeats: int) -> float:
-    fn()  # warm-up: DTensor's sharding propagation cache, allocation, connections
-    samples = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
-
-
 def measure_tp_units(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, device, tp: int, world: int,
                      sequence_parallel: bool = True, loss_parallel: bool = True, repeats: int = 3) -> TPUnitTimes:
     """TPUnitTimes of the run's shape at this tp (collective; world % tp == 0)."""
@@ -63,6 +44,7 @@ def measure_tp_units(model_cfg, seq_len: int, micro_batch: int, dtype_name: str,
     from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_ctx
 
     from amsp import control
+    from amsp.planner.compute_profile import median_time
     from amsp.routing_check import data_plane
     from models.llama.model import Llama
 
@@ -107,9 +89,14 @@ def measure_tp_units(model_cfg, seq_len: int, micro_batch: int, dtype_name: str,
         out = out.to_local() if hasattr(out, "to_local") else out
         out.backward(torch.ones_like(out))
 
+    def on_data_plane(fn):  # DTensor's collectives are the run's data-plane traffic
+        def run():
+            with data_plane():
+                fn()
+        return run
+
     control.barrier()  # every TP group starts together, as in training
-    with data_plane():  # DTensor's collectives are the run's data-plane traffic
-        times = [_median(fn, device, repeats) for fn in (block_step, head_step, emb_step)]
+    times = [median_time(on_data_plane(fn), device, repeats, agree=True) for fn in (block_step, head_step, emb_step)]
     slowest = control.all_reduce_max_floats(times)
     del model, block, head, emb, x
     if device.type == "cuda":

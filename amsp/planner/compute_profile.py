@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import pathlib
 import statistics
 import time
@@ -73,21 +74,43 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_time(fn, device, repeats: int, budget_s: float = 0.5) -> float:
-    """Median of `repeats` timed calls after a warm-up; fewer repeats when the calls are slow (a
-    large block on a CPU), so the whole profile stays within a few seconds."""
+MIN_SAMPLE_S = 0.2  # one timing sample spans at least this long (up to MAX_CALLS calls)
+MAX_CALLS = 50
+
+
+def sample_plan(first_call_s: float, repeats: int, budget_s: float) -> tuple[int, int]:
+    """(calls per sample, samples) for a call that took first_call_s once. A sample spans >= MIN_SAMPLE_S:
+    ranks that share CPU cores are scheduled in time slices of a few ms, and a single 20-50 ms call caught
+    one rank running alone on a core or waiting for one (the same unit measured 30 to 77 ms from one
+    startup to the next); averaged over 0.2 s the slices even out. Fewer samples when the calls are slow
+    (a large block on a CPU), so the whole profile stays within a few seconds."""
+    t = max(first_call_s, 1e-9)
+    calls = max(1, min(MAX_CALLS, math.ceil(MIN_SAMPLE_S / t)))
+    return calls, max(1, min(repeats, int(budget_s / (calls * t))))
+
+
+def median_time(fn, device, repeats: int, budget_s: float = 1.0, agree: bool = False) -> float:
+    """Median seconds of one call over `repeats` samples of several calls (sample_plan), after a warm-up.
+    agree: `fn` runs collectives, so every rank must call it as often: the plan follows the slowest rank's
+    warm-up (collective over the world)."""
     _sync(device)
     t0 = time.perf_counter()
-    fn()  # warm-up: allocation, kernel selection
+    fn()  # warm-up: allocation, kernel selection, connections
     _sync(device)
-    repeats = max(1, min(repeats, int(budget_s / max(time.perf_counter() - t0, 1e-9))))
+    first = time.perf_counter() - t0
+    if agree:
+        from amsp import control
+
+        first = control.all_reduce_max_floats([first])[0]
+    calls, repeats = sample_plan(first, repeats, budget_s)
     samples = []
     for _ in range(repeats):
         _sync(device)
         t0 = time.perf_counter()
-        fn()
+        for _ in range(calls):
+            fn()
         _sync(device)
-        samples.append(time.perf_counter() - t0)
+        samples.append((time.perf_counter() - t0) / calls)
     return statistics.median(samples)
 
 
@@ -116,12 +139,12 @@ def time_compute(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, dev
     grad = torch.ones_like(x)
 
     with torch.no_grad():
-        fwd = _median_time(lambda: block(x, cos, sin), device, repeats)
+        fwd = median_time(lambda: block(x, cos, sin), device, repeats)
     out = block(x, cos, sin)  # one graph, its backward timed repeatedly (retain_graph)
-    bwd = _median_time(lambda: out.backward(grad, retain_graph=True), device, repeats)
+    bwd = median_time(lambda: out.backward(grad, retain_graph=True), device, repeats)
     del out
-    head_s = _median_time(lambda: head(x, tied, tokens).backward(), device, repeats)
-    emb_s = _median_time(lambda: emb(tokens).backward(grad), device, repeats)
+    head_s = median_time(lambda: head(x, tied, tokens).backward(), device, repeats)
+    emb_s = median_time(lambda: emb(tokens).backward(grad), device, repeats)
     return {"block_forward_s": fwd, "block_backward_s": bwd,
             "head_forward_backward_s": head_s, "embedding_s": emb_s}, (block, x, cos, sin, grad)
 
@@ -156,9 +179,9 @@ def measure_overlap_slowdown(parts, device, comm_bytes: int, repeats: int = 3) -
             work.wait()
         return t_compute
 
-    alone = _median_time(compute, device, repeats)
+    alone = median_time(compute, device, repeats)
     control.barrier()
-    comm = _median_time(comm_alone, device, repeats)
+    comm = median_time(comm_alone, device, repeats, agree=True)
     slowed = []
     together()  # warm-up
     for _ in range(repeats):

@@ -1,13 +1,16 @@
 """Joint planner check: predicted step time of (tp, pp, dp, AMSP degrees, micro-batch) configurations
 against train.py runs of the same configurations on this machine's ranks.
 
-Each configuration runs `train.py` under torchrun (optionally inside the emulated cluster of
-netns_cluster.py with a link rate) for a few steps; the measured step time is the median of the steps
-after the first two. The prediction prices the same configuration with amsp.planner.joint.price_config
-on the cluster train.py would plan for (the cpu preset with this machine's measured peak, or the link
-rate given), with the compute efficiency measured for each micro-batch size (one block's forward,
-amsp/planner/compute_profile.py). Reports Spearman(predicted, measured), each prediction's error, and
-whether the planner's first choice among the configurations is within 5% of the fastest measured.
+Each configuration runs `train.py` on 4 ranks posing as 2 nodes of 2 (torchrun over loopback, or
+inside the emulated cluster of netns_cluster.py with a link rate) for a few steps; the measured step
+time is the median of the steps after the first two. Before them, a worker launched the same way
+measures what train.py's startup measures: the collective probe, and per micro-batch size the units'
+forward + backward at tp 1 (compute_profile.py) and tp 2 (amsp/parallel/tp_profile.py, on real TP
+groups), with the overlap slowdown. The prediction prices each configuration with
+amsp.planner.joint.price_config on the cpu preset with those measurements merged in, its 4 ranks
+sharing this machine's cores (ClusterSpec.shared_cores). Reports Spearman(predicted, measured), each
+prediction's error, and whether the planner's first choice among the configurations is within 5% of
+the fastest measured. The first 21 configurations are AMSP plans alone (tp = pp = 1).
 
     python scripts/bench/joint_vs_measured.py --json /tmp/jb/loopback.json --markdown /tmp/jb/loopback.md
     python scripts/bench/joint_vs_measured.py --rate 200mbit --json /tmp/jb/200mbit.json   # needs root + iproute2
@@ -31,14 +34,17 @@ sys.path.insert(0, HERE)
 from planner_vs_measured import spearman  # noqa: E402
 
 MODEL = ["model=tiny", "data.seq_len=128", "trainer.global_batch_size=16", "optim.warmup_steps=2"]
-# (tp, pp, p/g/os on the DP group, micro-batch size) on 4 ranks posing as 2 nodes of 2
-CONFIGS = [
-    (1, 1, (1, 1, 1), 1), (1, 1, (1, 1, 1), 2), (1, 1, (1, 1, 4), 2), (1, 1, (1, 4, 4), 2), (1, 1, (4, 4, 4), 2),
-    (1, 1, (2, 2, 2), 2), (1, 1, (2, 2, 4), 2), (1, 1, (1, 2, 2), 2), (1, 1, (4, 4, 4), 1), (1, 1, (2, 2, 2), 4),
+# (tp, pp, p/g/os on the DP group, micro-batch size) on 4 ranks posing as 2 nodes of 2.
+# Every AMSP plan of the 4-rank DP group at micro-batch 1 and 2 (issue 15's >= 20 plans), then
+# tensor- and pipeline-parallel layouts (issue 16's >= 30 configurations in all).
+DP_DEGREES = [(1, 1, 1), (1, 1, 2), (1, 1, 4), (1, 2, 2), (1, 2, 4), (1, 4, 4), (2, 2, 2), (2, 2, 4), (2, 4, 4),
+              (4, 4, 4)]
+CONFIGS = [(1, 1, d, m) for m in (1, 2) for d in DP_DEGREES] + [(1, 1, (2, 2, 2), 4)] + [
     (2, 1, (1, 1, 1), 2), (2, 1, (1, 1, 2), 2), (2, 1, (2, 2, 2), 2), (2, 1, (2, 2, 2), 4), (2, 1, (1, 2, 2), 1),
     (1, 2, (1, 1, 1), 2), (1, 2, (1, 1, 2), 2), (1, 2, (2, 2, 2), 2), (1, 2, (2, 2, 2), 1), (1, 2, (1, 2, 2), 4),
     (2, 2, (1, 1, 1), 1), (2, 2, (1, 1, 1), 2), (1, 4, (1, 1, 1), 1), (1, 4, (1, 1, 1), 2),
 ]
+RANKS, RANKS_PER_NODE = 4, 2
 
 
 def run_config(tp, pp, deg, mbs, steps, rate, workdir) -> float | None:
@@ -48,11 +54,7 @@ def run_config(tp, pp, deg, mbs, steps, rate, workdir) -> float | None:
             "trainer.log_interval=1", "trainer.val_samples=0", "trainer.checkpoint_interval=0",
             "logging.wandb.mode=disabled", "logging.plot=false", f"trainer.output_dir={workdir}",
             f"trainer.run_name={name}", "amsp.ranks_per_node=2", "amsp.planner.recheck_steps=0"]
-    if rate:
-        cmd = [sys.executable, os.path.join(HERE, "netns_cluster.py"), "run", "--nodes", "2", "--ranks-per-node", "2",
-               "--rate", rate, "--", sys.executable, "train.py", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "train.py", *args]
+    cmd = launch_cmd(rate, "train.py", args)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != 0:
@@ -63,10 +65,12 @@ def run_config(tp, pp, deg, mbs, steps, rate, workdir) -> float | None:
     return statistics.median(r["step_time_s"] for r in recs if r["step"] > 2)
 
 
-def predict(tp, pp, deg, mbs, eff_by_mbs, slowdown, points, cfg_overrides) -> float | None:
+def predict(tp, pp, deg, mbs, eff_by_mbs, slowdown, points, cfg_overrides, units) -> float | None:
     from amsp.plan import Degrees
+    from dataclasses import replace
+
     from amsp.planner.__main__ import compose_config
-    from amsp.planner.from_config import cluster_spec
+    from amsp.planner.from_config import cluster_spec, cpu_shared_cores
     from amsp.planner.joint.hetero import from_spec
     from amsp.planner.joint.search import price_config
     from amsp.schedule import Precision
@@ -78,47 +82,137 @@ def predict(tp, pp, deg, mbs, eff_by_mbs, slowdown, points, cfg_overrides) -> fl
         from amsp.planner.probe import apply_points
 
         spec = apply_points(spec, *points)
+    # the 2 emulated nodes share this machine: its 4 ranks, one thread each, share its cores
+    spec = replace(spec, shared_cores=cpu_shared_cores(RANKS, threads=1))
     res = price_config(to_llama_config(cfg.model), from_spec(spec), seq_len=int(cfg.data.seq_len),
                        global_batch=int(cfg.trainer.global_batch_size), precision=Precision.named("fp32"), tp=tp,
                        pp=pp, micro_batch_size=mbs, degrees=Degrees(*deg), efficiency={spec.name: eff_by_mbs[mbs]},
-                       reserved_bytes=0, overlap_slowdown=slowdown)
+                       reserved_bytes=0, overlap_slowdown=slowdown,
+                       unit_times={(spec.name, t, m): v for (t, m), v in units.items()})
     return None if res is None else res[0]
 
 
-def _measure_on_rank(rank: int, world: int, mbs: int):
-    """On all 4 ranks at once, as train.py's startup does: the block timing with its overlap slowdown
-    (compute_profile.py) and, once, the collective probe (probe.py) of the 2 x 2 layout."""
-    import torch
-
-    from amsp.planner.__main__ import compose_config
-    from amsp.planner.compute_profile import measure_profile
-    from amsp.planner.probe import probe_points, probe_sizes
-    from amsp.topology import Topology
-    from configs.schema import to_llama_config
-
-    cfg = compose_config(MODEL)
-    prof = measure_profile(to_llama_config(cfg.model), int(cfg.data.seq_len), mbs, "fp32", "none", "cpu", world,
-                           rank, None, False)
-    points = probe_points(Topology(world, 2), rank, torch.device("cpu"), None, False, probe_sizes(64 * 2**20), 4.0)
-    return prof.block_forward_s, prof.overlap_slowdown, points
-
-
-def efficiency(mbs: int) -> tuple[float, float, tuple]:
-    """One block's forward at this shape, timed on 4 ranks at once as train.py times it (they share this
-    machine's cores as the run's ranks do), against its FLOPs at the cpu preset's measured peak."""
+def efficiency(mbs: int, block_forward_s: float) -> float:
+    """One block's forward (timed on the 4 ranks at once, as train.py times it) against its FLOPs at the
+    cpu preset's measured peak: what units without a measured time are priced with."""
     from amsp.planner.__main__ import compose_config
     from amsp.planner.from_config import cluster_spec
     from amsp.planner.workload import Workload
     from amsp.schedule import Precision
     from configs.schema import to_llama_config
-    from tests.distributed import run_distributed
 
-    block_s, slowdown, points = run_distributed(_measure_on_rank, 4, mbs)[0]  # medians, agreed by all
     cfg = compose_config(MODEL)
-    model = to_llama_config(cfg.model)
-    spec = cluster_spec(cfg, nodes=2, ranks_per_node=2, local_ranks=4, device="cpu")
-    w = Workload(model, int(cfg.data.seq_len), mbs, 1, Precision.named("fp32"))
-    return min(1.0, w.block_forward_flops() / (block_s * spec.peak_flops)), slowdown, points
+    spec = cluster_spec(cfg, nodes=2, ranks_per_node=RANKS_PER_NODE, local_ranks=RANKS, device="cpu")
+    w = Workload(to_llama_config(cfg.model), int(cfg.data.seq_len), mbs, 1, Precision.named("fp32"))
+    return min(1.0, w.block_forward_flops() / (block_forward_s * spec.peak_flops))
+
+
+def measure_worker(path: str, sizes: list[int]) -> None:
+    """Launched on the 4 ranks exactly as the runs are (torchrun, or inside the emulated cluster): what
+    train.py's startup measures, for each micro-batch size: one block, the head and the embedding timed
+    with the overlap slowdown (compute_profile.py), the tensor-parallel units at tp 2 on real TP groups
+    (amsp/parallel/tp_profile.py); once, the collective probe of the 2 x 2 layout (probe.py)."""
+    import torch
+
+    from amsp.launch import init_distributed
+    from amsp.parallel.tp_profile import measure_tp_units
+    from amsp.planner.__main__ import compose_config
+    from amsp.planner.compute_profile import measure_profile
+    from amsp.planner.from_config import cpu_shared_cores
+    from amsp.planner.probe import _to_json, probe_points, probe_sizes
+    from amsp.topology import Topology
+    from configs.schema import to_llama_config
+
+    denv = init_distributed(backend="gloo")
+    cfg = compose_config(MODEL)
+    model, seq = to_llama_config(cfg.model), int(cfg.data.seq_len)
+    out = {"by_mbs": {}}
+    for mbs in sizes:
+        prof = measure_profile(model, seq, mbs, "fp32", "none", "cpu", denv.world_size, denv.rank, None, False,
+                               cores_shared=cpu_shared_cores(RANKS, threads=1) is not None)
+        tp2 = measure_tp_units(model, seq, mbs, "fp32", "cpu", 2, denv.world_size, repeats=5)
+        out["by_mbs"][mbs] = {"block_forward_s": prof.block_forward_s, "overlap_slowdown": prof.overlap_slowdown,
+                              "units": {1: [prof.block_forward_s + prof.block_backward_s,
+                                            prof.head_forward_backward_s, prof.embedding_s],
+                                        2: [tp2.block_s, tp2.head_s, tp2.embedding_s]}}
+    points, _ = probe_points(Topology(denv.world_size, RANKS_PER_NODE), denv.rank, torch.device("cpu"), None, False,
+                             probe_sizes(64 * 2**20), 4.0)
+    out["points"] = _to_json(points)
+    if denv.rank == 0:
+        json.dump(out, open(path, "w"))
+
+
+def measure(sizes: list[int], rate: str | None) -> dict:
+    """measure_worker's results, run on the same 4 ranks (and links) as the configurations."""
+    with tempfile.TemporaryDirectory() as work:
+        path = os.path.join(work, "measured.json")
+        cmd = launch_cmd(rate, os.path.abspath(__file__), ["--measure-worker", path, "--sizes",
+                                                           ",".join(map(str, sizes))])
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
+        if proc.returncode != 0 or not os.path.exists(path):
+            raise SystemExit(f"measurement failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        return json.load(open(path))
+
+
+def launch_cmd(rate: str | None, script: str, args: list[str]) -> list[str]:
+    """The command that runs `script` on 4 ranks: torchrun over loopback, or the emulated 2 x 2 cluster."""
+    if rate:
+        return [sys.executable, os.path.join(HERE, "netns_cluster.py"), "run", "--nodes", "2", "--ranks-per-node",
+                str(RANKS_PER_NODE), "--rate", rate, "--", sys.executable, script, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}", script, *args]
+
+
+def pricing_inputs(got: dict):
+    """(efficiency by mbs, units {(tp, mbs): seconds}, overlap slowdown, probe points) from measure()."""
+    from amsp.planner.probe import _from_json
+
+    by_mbs = {int(m): v for m, v in got["by_mbs"].items()}
+    eff = {m: efficiency(m, v["block_forward_s"]) for m, v in by_mbs.items()}
+    units = {(int(tp), m): tuple(t) for m, v in by_mbs.items() for tp, t in v["units"].items()}
+    slowdown = statistics.median(v["overlap_slowdown"] for v in by_mbs.values())
+    return eff, units, slowdown, (_from_json(got["points"]), "probe")
+
+
+def summarize(rows: list[dict], rate: str | None, got: dict, t0: float, a) -> None:
+    eff, units, slowdown, _ = pricing_inputs(got)
+    ok = [r for r in rows if r["predicted_s"] and r["measured_s"]]
+    rho = spearman([r["predicted_s"] for r in ok], [r["measured_s"] for r in ok]) if len(ok) > 2 else float("nan")
+    errs = [abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in ok]
+    first = min(ok, key=lambda r: r["predicted_s"]) if ok else None
+    fastest = min(ok, key=lambda r: r["measured_s"]) if ok else None
+    dp_only = [r for r in ok if r["tp"] == 1 and r["pp"] == 1]
+    summary = {"rate": rate or "loopback (unshaped)", "configs": len(rows), "priced_and_ran": len(ok),
+               "spearman": rho, "within_20pct": sum(e <= 0.2 for e in errs), "median_error": statistics.median(errs)
+               if errs else None, "first_choice_vs_fastest": (first["measured_s"] / fastest["measured_s"])
+               if ok else None,
+               "amsp_plans_only": {"configs": len(dp_only), "spearman": spearman(
+                   [r["predicted_s"] for r in dp_only], [r["measured_s"] for r in dp_only]) if len(dp_only) > 2
+                   else float("nan"),
+                   "within_20pct": sum(abs(r["predicted_s"] - r["measured_s"]) <= 0.2 * r["measured_s"] for r in dp_only),
+                   "first_choice_vs_fastest": min(dp_only, key=lambda r: r["predicted_s"])["measured_s"]
+                   / min(r["measured_s"] for r in dp_only) if dp_only else None},
+               "wall_s": time.time() - t0, "efficiency": eff, "overlap_slowdown": slowdown,
+               "bandwidth": "probe" + (f" inside the emulated cluster (link {rate})" if rate else ""),
+               "units": {f"tp{tp} mbs{m}": t for (tp, m), t in units.items()}}
+    print(json.dumps(summary, indent=1))
+    if a.json:
+        json.dump({"summary": summary, "rows": rows, "measured": got}, open(a.json, "w"), indent=1)
+    if a.markdown:
+        with open(a.markdown, "a") as f:
+            f.write("| tp | pp | p/g/os | mbs | predicted s | measured s | error |\n|---|---|---|---|---|---|---|\n")
+            for r in rows:
+                e = (f"{(r['predicted_s'] - r['measured_s']) / r['measured_s']:+.0%}"
+                     if r["predicted_s"] and r["measured_s"] else "-")
+                pred = f"{r['predicted_s']:.3f}" if r["predicted_s"] else "-"
+                meas = f"{r['measured_s']:.3f}" if r["measured_s"] else "-"
+                f.write(f"| {r['tp']} | {r['pp']} | {'/'.join(map(str, r['degrees']))} | {r['mbs']} | {pred} | {meas} "
+                        f"| {e} |\n")
+
+
+def overrides_for(rate: str | None) -> list[str]:
+    """The planner is told the emulated link, as a user would set cluster.* for their fabric."""
+    return [f"cluster.inter_bandwidth_gbs={float(rate.removesuffix('mbit')) / 8e3}"] if rate else []
 
 
 def main() -> int:
@@ -128,49 +222,40 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=0, help="first N configurations only")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
+    ap.add_argument("--reprice", metavar="JSON", help="price the runs and measurements of an earlier --json again "
+                                                        "with the current cost model (nothing is run)")
+    ap.add_argument("--measure-worker", metavar="PATH", help=argparse.SUPPRESS)  # internal: one rank's measurement
+    ap.add_argument("--sizes", default="1", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.measure_worker:
+        measure_worker(a.measure_worker, [int(x) for x in a.sizes.split(",")])
+        return 0
     t0 = time.time()
-    overrides = []
-    if a.rate:  # the planner is told the emulated link, as a user would set cluster.* for their fabric
-        gbs = float(a.rate.removesuffix("mbit")) / 8e3
-        overrides = [f"cluster.inter_bandwidth_gbs={gbs}"]
+    if a.reprice:
+        old = json.load(open(a.reprice))
+        got, rate = old["measured"], old["summary"]["rate"]
+        rate = None if rate.startswith("loopback") else rate
+        eff, units, slowdown, points = pricing_inputs(got)
+        rows = [{**r, "degrees": tuple(r["degrees"]),
+                 "predicted_s": predict(r["tp"], r["pp"], tuple(r["degrees"]), r["mbs"], eff, slowdown, points,
+                                        overrides_for(rate), units)} for r in old["rows"]]
+        summarize(rows, rate, got, t0, a)
+        return 0
     configs = CONFIGS[:a.limit] if a.limit else CONFIGS
-    measured = {m: efficiency(m) for m in sorted({c[3] for c in configs})}
-    eff = {m: v[0] for m, v in measured.items()}
-    slowdown = statistics.median(v[1] for v in measured.values() if v[1] is not None)
-    points = None if a.rate else measured[min(measured)][2]  # a shaped link: the rate given stands
+    got = measure(sorted({c[3] for c in configs}), a.rate)
+    eff, units, slowdown, points = pricing_inputs(got)
     print("compute efficiency by micro-batch size:", {k: round(v, 3) for k, v in eff.items()},
-          f"overlap slowdown {slowdown:.2f}", file=sys.stderr)
+          f"overlap slowdown {slowdown:.2f}; units (block, head, embedding s):", units, file=sys.stderr)
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for i, (tp, pp, deg, mbs) in enumerate(configs):
-            pred = predict(tp, pp, deg, mbs, eff, slowdown, points, overrides)
+            pred = predict(tp, pp, deg, mbs, eff, slowdown, points, overrides_for(a.rate), units)
             meas = run_config(tp, pp, deg, mbs, a.steps, a.rate, work)
             rows.append({"tp": tp, "pp": pp, "degrees": deg, "mbs": mbs, "predicted_s": pred, "measured_s": meas})
             print(f"[{i + 1}/{len(configs)} {time.time() - t0:.0f}s] tp{tp} pp{pp} {deg} mbs{mbs}: predicted "
                   f"{pred if pred is None else round(pred, 4)} measured {meas if meas is None else round(meas, 4)}",
                   file=sys.stderr)
-    ok = [r for r in rows if r["predicted_s"] and r["measured_s"]]
-    rho = spearman([r["predicted_s"] for r in ok], [r["measured_s"] for r in ok]) if len(ok) > 2 else float("nan")
-    errs = [abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in ok]
-    first = min(ok, key=lambda r: r["predicted_s"]) if ok else None
-    fastest = min(ok, key=lambda r: r["measured_s"]) if ok else None
-    summary = {"rate": a.rate or "loopback (unshaped)", "configs": len(rows), "priced_and_ran": len(ok),
-               "spearman": rho, "within_20pct": sum(e <= 0.2 for e in errs), "median_error": statistics.median(errs)
-               if errs else None, "first_choice_vs_fastest": (first["measured_s"] / fastest["measured_s"])
-               if ok else None, "wall_s": time.time() - t0, "efficiency": eff, "overlap_slowdown": slowdown,
-               "bandwidth": "probe" if points is not None else f"preset + rate {a.rate}"}
-    print(json.dumps(summary, indent=1))
-    if a.json:
-        json.dump({"summary": summary, "rows": rows}, open(a.json, "w"), indent=1)
-    if a.markdown:
-        with open(a.markdown, "a") as f:
-            f.write("| tp | pp | p/g/os | mbs | predicted s | measured s | error |\n|---|---|---|---|---|---|---|\n")
-            for r in rows:
-                e = (f"{(r['predicted_s'] - r['measured_s']) / r['measured_s']:+.0%}"
-                     if r["predicted_s"] and r["measured_s"] else "-")
-                f.write(f"| {r['tp']} | {r['pp']} | {'/'.join(map(str, r['degrees']))} | {r['mbs']} | "
-                        f"{r['predicted_s'] or '-'} | {r['measured_s'] or '-'} | {e} |\n")
+    summarize(rows, a.rate, got, t0, a)
     return 0
 
 
