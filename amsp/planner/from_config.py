@@ -124,14 +124,14 @@ def cluster_spec(cfg: DictConfig, nodes: int | None = None, ranks_per_node: int 
         a, t = OmegaConf.select(cfg, "amsp.precision") or "auto", cfg.trainer.dtype
         cuda = device is not None and torch.device(device).type == "cuda"
         dtype = a if a != "auto" else t if t != "auto" else "bf16" if cuda else c.dtype
-        local = local_ranks or ranks_per_node or c.ranks_per_node
+        local = machine_ranks(local_ranks or ranks_per_node or c.ranks_per_node)  # they share the host's RAM
         c = resolve_measured_fields(c, local, dtype, device)
         c.dtype = "bf16" if cuda else c.dtype  # what the engine's auto precision picks on this device
         if not cuda:  # this machine's CPU, measured: its ranks share its cores
             from dataclasses import replace
 
             spec = cluster_from_config(c, nodes=nodes, ranks_per_node=ranks_per_node)
-            return replace(spec, shared_cores=cpu_shared_cores(machine_ranks(local)))
+            return replace(spec, shared_cores=cpu_shared_cores(local))
     return cluster_from_config(c, nodes=nodes, ranks_per_node=ranks_per_node)
 
 

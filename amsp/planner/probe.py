@@ -25,7 +25,8 @@ The measured points are merged with the preset's curves (merge_curve): inside th
 range the measurement wins; outside it the preset's curve is scaled to meet the measurement at its
 ends, so the curve stays continuous and keeps the preset's shape where nothing was measured. The
 result is cached on disk keyed by the cluster shape (world, ranks per node, the set of host names,
-backend, device type, candidate sizes, budget), so a restarted job skips the probe.
+backend, device type, candidate sizes, budget; hosts are named with their network namespace and
+socket interfaces, network_identity), so a restarted job skips the probe.
 """
 from __future__ import annotations
 
@@ -168,6 +169,18 @@ def measure(topo: Topology, rank: int, device: torch.device, sizes=PROBE_SIZES, 
     return points
 
 
+def network_identity() -> str:
+    """This rank's host and network path: the host name, its network namespace and the interfaces the
+    collectives were told to use. Same host names with another namespace (the emulated cluster of
+    scripts/bench/netns_cluster.py, a container network) are other links, so they get their own probe."""
+    try:
+        netns = os.readlink("/proc/self/ns/net")
+    except OSError:
+        netns = ""
+    ifaces = ",".join(os.environ.get(k, "") for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"))
+    return f"{socket.gethostname()}|{netns}|{ifaces}|{os.environ.get('MASTER_ADDR', '')}"
+
+
 def cache_key(topo: Topology, hosts: list[str], backend: str, device: torch.device, sizes=PROBE_SIZES,
               budget_s: float = PROBE_BUDGET_S) -> str:
     # "points": the stored convention (per-rank chunk), so caches of the older layout never match
@@ -189,7 +202,7 @@ def probe_points(topo: Topology, rank: int, device: torch.device, cache_dir: pat
                  use_cache: bool = True, sizes=PROBE_SIZES, budget_s: float = PROBE_BUDGET_S) -> tuple[dict, str]:
     """(measured or cached points {(kind, scope): [(bytes, GB/s)]}, 'probe' | 'cache'). Collective."""
     backend = dist.get_backend()
-    hosts = control.all_gather_object(socket.gethostname())
+    hosts = control.all_gather_object(network_identity())
     key = cache_key(topo, hosts, backend, device, sizes, budget_s)
     path = (cache_dir or default_cache_dir()) / f"probe-{key}.json"
     box = [None]

@@ -48,9 +48,13 @@ RANKS, RANKS_PER_NODE = 4, 2
 
 
 def run_config(tp, pp, deg, mbs, steps, rate, workdir) -> float | None:
-    name = f"tp{tp}pp{pp}_{'-'.join(map(str, deg))}_mbs{mbs}"
-    args = [*MODEL, f"parallel.tp={tp}", f"parallel.pp={pp}", f"amsp.p={deg[0]}", f"amsp.g={deg[1]}",
-            f"amsp.os={deg[2]}", "amsp.plan=custom", f"trainer.micro_batch_size={mbs}", f"trainer.max_steps={steps}",
+    """Median step seconds of train.py at this configuration; deg None: amsp.plan=auto (the AMSP planner
+    chooses at startup, its table lands in RUN_DIR/plan.txt)."""
+    name = f"tp{tp}pp{pp}_{'-'.join(map(str, deg)) if deg else 'auto'}_mbs{mbs}"
+    plan = (["amsp.plan=auto"] if deg is None else
+            [f"amsp.p={deg[0]}", f"amsp.g={deg[1]}", f"amsp.os={deg[2]}", "amsp.plan=custom"])
+    args = [*MODEL, f"parallel.tp={tp}", f"parallel.pp={pp}", *plan, f"trainer.micro_batch_size={mbs}",
+            f"trainer.max_steps={steps}",
             "trainer.log_interval=1", "trainer.val_samples=0", "trainer.checkpoint_interval=0",
             "logging.wandb.mode=disabled", "logging.plot=false", f"trainer.output_dir={workdir}",
             f"trainer.run_name={name}", "amsp.ranks_per_node=2", "amsp.planner.recheck_steps=0"]
@@ -62,6 +66,8 @@ def run_config(tp, pp, deg, mbs, steps, rate, workdir) -> float | None:
               file=sys.stderr)
         return None
     recs = [json.loads(x) for x in open(os.path.join(workdir, name, "metrics.jsonl"))]
+    if deg is None:
+        print((open(os.path.join(workdir, name, "plan.txt")).read()), file=sys.stderr)
     return statistics.median(r["step_time_s"] for r in recs if r["step"] > 2)
 
 
@@ -189,7 +195,8 @@ def summarize(rows: list[dict], rate: str | None, got: dict, t0: float, a) -> No
                "amsp_plans_only": {"configs": len(dp_only), "spearman": spearman(
                    [r["predicted_s"] for r in dp_only], [r["measured_s"] for r in dp_only]) if len(dp_only) > 2
                    else float("nan"),
-                   "within_20pct": sum(abs(r["predicted_s"] - r["measured_s"]) <= 0.2 * r["measured_s"] for r in dp_only),
+                   "within_20pct": sum(abs(r["predicted_s"] - r["measured_s"]) <= 0.2 * r["measured_s"]
+                                       for r in dp_only),
                    "first_choice_vs_fastest": min(dp_only, key=lambda r: r["predicted_s"])["measured_s"]
                    / min(r["measured_s"] for r in dp_only) if dp_only else None},
                "wall_s": time.time() - t0, "efficiency": eff, "overlap_slowdown": slowdown,
@@ -222,6 +229,9 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=0, help="first N configurations only")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
+    ap.add_argument("--auto", action="store_true", help="run amsp.plan=auto (DP only) at micro-batch 1 and 2 "
+                    "and compare with the fastest AMSP plan of the same size in --against")
+    ap.add_argument("--against", metavar="JSON", help="an earlier --json of the same links (for --auto)")
     ap.add_argument("--reprice", metavar="JSON", help="price the runs and measurements of an earlier --json again "
                                                         "with the current cost model (nothing is run)")
     ap.add_argument("--measure-worker", metavar="PATH", help=argparse.SUPPRESS)  # internal: one rank's measurement
@@ -231,6 +241,16 @@ def main() -> int:
         measure_worker(a.measure_worker, [int(x) for x in a.sizes.split(",")])
         return 0
     t0 = time.time()
+    if a.auto:
+        rows = json.load(open(a.against))["rows"] if a.against else []
+        with tempfile.TemporaryDirectory() as work:
+            for mbs in (1, 2):
+                got = run_config(1, 1, None, mbs, a.steps, a.rate, work)
+                same = [r["measured_s"] for r in rows
+                        if r["tp"] == r["pp"] == 1 and r["mbs"] == mbs and r["measured_s"]]
+                vs = f", {got / min(same):.3f}x the fastest AMSP plan at mbs {mbs} ({min(same):.3f} s)" if same else ""
+                print(f"amsp.plan=auto mbs {mbs}: {got:.3f} s/step{vs}")
+        return 0
     if a.reprice:
         old = json.load(open(a.reprice))
         got, rate = old["measured"], old["summary"]["rate"]

@@ -56,6 +56,21 @@ def test_cache_key_follows_the_cluster_shape():
     assert base != cache_key(Topology(4, 2), ["a"] * 4, "gloo", cpu, budget_s=1.0)
 
 
+def test_network_identity_tells_other_links_apart(monkeypatch):
+    """The same host behind another network namespace or interface (the emulated cluster's shaped links)
+    must not reuse the loopback probe's cache."""
+    from amsp.planner.probe import network_identity
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    plain = network_identity()
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
+    assert network_identity() != plain
+    monkeypatch.setattr("os.readlink", lambda path: "net:[4026532999]")
+    shaped = network_identity()
+    monkeypatch.setattr("os.readlink", lambda path: "net:[4026531840]")
+    assert network_identity() != shaped
+
+
 def test_probe_sizes_reach_256mib():
     from amsp.planner.probe import PROBE_SIZES, probe_sizes
 
