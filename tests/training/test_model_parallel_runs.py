@@ -23,3 +23,20 @@ def test_tp2_pp2_run_matches_single_process_and_resumes_without_model_parallelis
     resumed = losses(run)
     for step in range(5, 9):
         assert abs(resumed[step] - want[step]) <= 1e-5 * abs(want[step]), (step, resumed[step], want[step])
+
+
+def test_parallel_auto_prices_measured_tp_units_and_trains_its_choice(tmp_path):
+    """parallel.auto on 4 ranks posing as 2 nodes of 2: startup probes the links, times the TP units on real
+    TP groups, plans, and the run trains under the chosen (tp, pp) with its plan written down."""
+    run = tmp_path / "auto"
+    proc = train(run, "trainer.max_steps=3", "trainer.checkpoint_interval=0", "parallel.auto=true",
+                 "amsp.ranks_per_node=2", "amsp.planner.probe_budget_s=1", nproc=4)
+    out = proc.stdout + proc.stderr
+    assert "bandwidth probe:" in out and "tensor-parallel profile: tp 2:" in out, out[-3000:]
+    plan = (run / "plan.txt").read_text()
+    assert "joint planner (compute:" in plan and "why:" in plan
+    first = plan.splitlines()[plan.splitlines().index(next(line for line in plan.splitlines()
+                                                             if line.lstrip().startswith("rank"))) + 1].split()
+    tp, pp = int(first[1]), int(first[2])
+    assert ("model parallelism: mesh" in out) == ((tp, pp) != (1, 1))
+    assert len(losses(run)) == 3
