@@ -1,0 +1,177 @@
+"""Out-of-memory predicted by the joint planner against train.py runs under a per-rank memory cap (CPU).
+
+Each (tp, pp, AMSP degrees, micro-batch) configuration of a ~100M-parameter model runs train.py on 4
+ranks for 2 steps, every rank inside its own cgroup-v1 memory group limited to the cap (this script
+is the rank's entry point: it joins its group, then runs train.py in the same process). A run whose
+rank the kernel's OOM killer ended (the group's `oom_kill` count) is an out-of-memory run. The
+prediction is the joint planner's memory model (its tightest stage, amsp/planner/joint/stage_cost.py,
+8% margin included) with the runtime outside the tensors as the reserve (what a debug-sized run peaks
+at under the same launcher, measured first): the configuration fits when that is within the cap, the
+rule the planner applies to the device memory. Reports precision
+and recall of "out of memory" (issue 16: both >= 0.95) and, for the runs that lived, their peak
+resident set (train.py's VmHWM, which also counts shared library pages the group is not charged for).
+A group's own usage counter is no peak here: it fills with reclaimable page cache up to the cap.
+
+    python scripts/bench/joint_memory_caps.py --json /tmp/jm/caps.json            # needs root (cgroup v1)
+    python scripts/bench/joint_memory_caps.py --cap-mib 1400 --limit 4
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+
+CGROUP = "/sys/fs/cgroup/memory"
+MIB = 2**20
+MODEL = ["model=tiny", "model.dim=768", "model.n_layers=8", "model.n_heads=12", "model.n_kv_heads=4",
+         "model.vocab_size=32000", "model.max_seq_len=256", "data.seq_len=256", "trainer.global_batch_size=8"]
+CONFIGS = [(1, 1, d, 1) for d in ((1, 1, 1), (1, 1, 4), (1, 4, 4), (4, 4, 4))] + [
+    (1, 1, (1, 1, 1), 2), (1, 1, (2, 2, 2), 2), (1, 1, (4, 4, 4), 2), (2, 1, (1, 1, 1), 2), (2, 1, (2, 2, 2), 2),
+    (1, 2, (1, 1, 1), 2), (2, 2, (1, 1, 1), 2), (1, 4, (1, 1, 1), 2)]
+
+
+def rank_shim(cap_mib: int, tag_dir: str, argv: list[str]) -> None:
+    """This rank's own memory group at the cap, then train.py in this process."""
+    rank = os.environ.get("RANK", "0")
+    group = os.path.join(CGROUP, f"amspb-cap-{os.getpid()}")
+    os.makedirs(group, exist_ok=True)
+    with open(os.path.join(group, "memory.limit_in_bytes"), "w") as f:
+        f.write(str(cap_mib * MIB))
+    with open(os.path.join(group, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+    with open(os.path.join(tag_dir, f"rank{rank}"), "w") as f:
+        f.write(group)
+    sys.argv = ["train.py", *argv]
+    os.chdir(ROOT)
+    runpy.run_path(os.path.join(ROOT, "train.py"), run_name="__main__")
+
+
+def read_groups(tag_dir: str) -> list[dict]:
+    """Per rank: OOM kills and peak bytes of its group; the groups are removed."""
+    out = []
+    for name in sorted(os.listdir(tag_dir)):
+        group = open(os.path.join(tag_dir, name)).read().strip()
+        oom = dict(line.split() for line in open(os.path.join(group, "memory.oom_control")))
+        peak = int(open(os.path.join(group, "memory.max_usage_in_bytes")).read())
+        out.append({"rank": name, "oom_kills": int(oom.get("oom_kill", 0)), "peak_bytes": peak})
+        for _ in range(50):  # the group empties once its processes are reaped
+            try:
+                os.rmdir(group)
+                break
+            except OSError:
+                time.sleep(0.1)
+    return out
+
+
+def run(tp: int, pp: int, deg, mbs: int, cap_mib: int, extra: list[str], workdir: str, prefix: str = "") -> dict:
+    name = f"{prefix}tp{tp}pp{pp}_{'-'.join(map(str, deg))}_mbs{mbs}"
+    tag_dir = tempfile.mkdtemp(dir=workdir)
+    args = [*extra, f"parallel.tp={tp}", f"parallel.pp={pp}", f"amsp.p={deg[0]}", f"amsp.g={deg[1]}",
+            f"amsp.os={deg[2]}", "amsp.plan=custom", f"trainer.micro_batch_size={mbs}", "trainer.max_steps=2",
+            "trainer.val_samples=0", "trainer.checkpoint_interval=0", "logging.wandb.mode=disabled",
+            "logging.plot=false", f"trainer.output_dir={workdir}", f"trainer.run_name={name}",
+            "amsp.ranks_per_node=2", "amsp.planner.recheck_steps=0"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           os.path.abspath(__file__), "--rank-shim", str(cap_mib), "--tag-dir", tag_dir, "--", *args]
+    # glibc serves blocks over 1 MiB by mmap and trims at once, so a freed tensor's pages go back (as
+    # bench_memory_fidelity.py does): with glibc's defaults it keeps them, and a zero3 run whose tensors
+    # need ~1.1 GiB was OOM-killed under a 1.4 GiB cap, retention the planner's memory model does not price
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(MIB), "MALLOC_TRIM_THRESHOLD_": "0"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    groups = read_groups(tag_dir)
+    oom = any(g["oom_kills"] for g in groups)
+    peak = None
+    metrics = os.path.join(workdir, name, "metrics.jsonl")
+    if not oom and os.path.exists(metrics):  # VmHWM, the largest rank's (shared library pages included)
+        peak = max(json.loads(x).get("memory_peak_bytes") or 0 for x in open(metrics)) / MIB
+    if proc.returncode != 0 and not oom:
+        tail = [line for line in (proc.stderr + proc.stdout).splitlines() if "Error" in line or "error" in line][:6]
+        raise SystemExit(f"{name} failed without an OOM kill ({proc.returncode}): {tail}")
+    return {"oom": oom, "charged_mib": max(g["peak_bytes"] for g in groups) / MIB, "peak_rss_mib": peak,
+            "groups": groups}
+
+
+def stage_peaks(tp: int, pp: int, deg, mbs: int, reserve_bytes: float, extra: list[str]) -> float:
+    """The largest stage's predicted bytes (reserve and margin included) with no memory limit."""
+    from amsp.plan import Degrees
+    from amsp.planner.__main__ import compose_config
+    from amsp.planner.from_config import cluster_spec
+    from amsp.planner.joint.hetero import from_spec
+    from amsp.planner.joint.search import _Candidate
+    from amsp.planner.joint.stage_cost import Setting
+    from amsp.schedule import Precision
+    from configs.schema import to_llama_config
+
+    cfg = compose_config([*extra, "cluster.device_memory_gib=1024"])
+    spec = cluster_spec(cfg, nodes=2, ranks_per_node=2, local_ranks=4, device="cpu")
+    model = to_llama_config(cfg.model)
+    dp = 4 // (tp * pp)
+    B = int(cfg.trainer.global_batch_size) // (dp * mbs)
+    s = Setting(model, int(cfg.data.seq_len), Precision.named("fp32"), tp, pp, dp, mbs, B, {},
+                reserved_bytes=reserve_bytes)
+    cand = _Candidate(s, from_spec(spec))
+    res = cand.evaluate(cand.split(), Degrees(*deg), False)
+    return max(c.memory_bytes for c in res[1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cap-mib", type=int, default=0, help="per-rank cap (default: the median predicted peak)")
+    ap.add_argument("--limit", type=int, default=0)
+    ap.add_argument("--json")
+    ap.add_argument("--rank-shim", type=int, help=argparse.SUPPRESS)  # internal: one capped rank
+    ap.add_argument("--tag-dir", help=argparse.SUPPRESS)
+    ap.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.rank_shim is not None:
+        rank_shim(a.rank_shim, a.tag_dir, a.rest)
+        return 0
+    if not os.access(CGROUP, os.W_OK):
+        raise SystemExit(f"{CGROUP} is not writable: needs root and a cgroup-v1 memory controller")
+    t0 = time.time()
+    configs = CONFIGS[:a.limit] if a.limit else CONFIGS
+    with tempfile.TemporaryDirectory() as work:
+        # the runtime outside the tensors: what a debug-sized run of the same launcher peaks at
+        base = run(1, 1, (1, 1, 1), 1, 1 << 20, ["model=debug", "data.seq_len=64", "trainer.global_batch_size=8"],
+                   work, prefix="runtime_")
+        reserve = base["charged_mib"] * MIB  # with no cap nothing was reclaimed: what the runtime charges
+        peaks = {c: stage_peaks(*c, reserve, MODEL) / MIB for c in configs}
+        cap = a.cap_mib or int(statistics.median(peaks.values()))
+        print(f"runtime reserve {base['charged_mib']:.0f} MiB per rank; cap {cap} MiB per rank", file=sys.stderr)
+        rows = []
+        for i, c in enumerate(configs):
+            fits = peaks[c] <= cap
+            got = run(*c, cap, MODEL, work)
+            rows.append({"tp": c[0], "pp": c[1], "degrees": c[2], "mbs": c[3], "predicted_mib": peaks[c],
+                         "predicted_fits": fits, "oom": got["oom"], "peak_rss_mib": got["peak_rss_mib"]})
+            print(f"[{i + 1}/{len(configs)} {time.time() - t0:.0f}s] {c}: predicted {peaks[c]:.0f} MiB "
+                  f"({'fits' if fits else 'OOM'}), run {'OOM' if got['oom'] else 'lived'} at "
+                  f"peak RSS {got['peak_rss_mib'] or 0:.0f} MiB", file=sys.stderr)
+    tp_ = sum(r["oom"] and not r["predicted_fits"] for r in rows)
+    fp = sum(not r["oom"] and not r["predicted_fits"] for r in rows)
+    fn = sum(r["oom"] and r["predicted_fits"] for r in rows)
+    lived = [r for r in rows if not r["oom"]]
+    summary = {"cap_mib": cap, "reserve_mib": base["charged_mib"], "configs": len(rows),
+               "oom_runs": sum(r["oom"] for r in rows),
+               "precision": tp_ / (tp_ + fp) if tp_ + fp else float("nan"),
+               "recall": tp_ / (tp_ + fn) if tp_ + fn else float("nan"),
+               "lived": [(r["tp"], r["pp"], r["degrees"], r["mbs"], round(r["predicted_mib"]), round(r["peak_rss_mib"]))
+                         for r in lived if r["peak_rss_mib"]], "wall_s": time.time() - t0}
+    print(json.dumps(summary, indent=1))
+    if a.json:
+        json.dump({"summary": summary, "rows": rows}, open(a.json, "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
