@@ -88,17 +88,14 @@ def joint_plan_for_run(cfg: DictConfig, denv, device, run_dir: pathlib.Path | No
 def measured_tp_units(cfg: DictConfig, model, denv, device) -> dict:
     """{tp: (block, head, embedding) seconds} for every tp the joint planner may pick on this run's nodes,
     timed on real TP groups (amsp/parallel/tp_profile.py). Collective; {} on one rank."""
-    from ..planner.startup import ranks_per_node
+    from ..planner.joint.search import tp_candidates
+    from ..planner.startup import ranks_per_node, timing_dtype
     from .tp_profile import measure_tp_units
 
-    r = ranks_per_node(cfg, denv.local_world_size)
     seq, mbs = int(cfg.data.seq_len), int(cfg.trainer.micro_batch_size)
-    dims = (model.n_heads, model.n_kv_heads, model.vocab_size, model.ffn_hidden_dim, seq)
-    tps = [t for t in range(2, r + 1) if r % t == 0 and denv.world_size % t == 0 and all(d % t == 0 for d in dims)]
-    a, t = OmegaConf.select(cfg, "amsp.precision") or "auto", cfg.trainer.dtype
-    dtype = a if a != "auto" else t if t != "auto" else "bf16" if device.type == "cuda" else "fp32"
+    dtype = timing_dtype(cfg, device)
     out = {}
-    for tp in tps:
+    for tp in tp_candidates(model, ranks_per_node(cfg, denv.local_world_size), seq)[1:]:  # tp 1: the profile
         times = measure_tp_units(model, seq, mbs, dtype, device, tp, denv.world_size)
         if denv.rank == 0:
             log.info("tensor-parallel profile: %s", times.describe())

@@ -130,8 +130,13 @@ def cluster_spec(cfg: DictConfig, nodes: int | None = None, ranks_per_node: int 
         if not cuda:  # this machine's CPU, measured: its ranks share its cores
             from dataclasses import replace
 
-            spec = cluster_from_config(c, nodes=nodes, ranks_per_node=ranks_per_node)
-            return replace(spec, shared_cores=cpu_shared_cores(local))
+            spec = replace(cluster_from_config(c, nodes=nodes, ranks_per_node=ranks_per_node),
+                           shared_cores=cpu_shared_cores(local))
+            if spec.shared_cores is not None:
+                log.info("cpu: %d ranks share this machine's cores: a rank computing alone runs in %.2fx the time "
+                         "it takes while all compute (the joint planner prices pipeline bubbles with it)",
+                         *spec.shared_cores)
+            return spec
     return cluster_from_config(c, nodes=nodes, ranks_per_node=ranks_per_node)
 
 
@@ -156,9 +161,4 @@ def cpu_shared_cores(local_ranks: int, threads: int | None = None) -> tuple[int,
         return None
     busy_share = cores / local_ranks  # cores per rank while every rank computes
     alone = min(1.0, busy_share / min(threads, cores))
-    if alone >= 1.0:
-        return None
-    log.info("cpu: %d ranks x %d thread(s) share %d cores: a rank computing alone runs in %.2fx the time it takes "
-             "while all compute (the joint planner prices pipeline bubbles with it)", local_ranks, threads, cores,
-             alone)
-    return local_ranks, alone
+    return None if alone >= 1.0 else (local_ranks, alone)

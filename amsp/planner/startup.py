@@ -105,6 +105,13 @@ def with_probe(cluster, points, p):
     return cluster
 
 
+def timing_dtype(cfg: DictConfig, device: torch.device) -> str:
+    """The dtype startup timings run in: amsp.precision, else trainer.dtype, else what the engine's auto
+    precision picks on this device (bf16 on CUDA, fp32 on CPU)."""
+    a, t = OmegaConf.select(cfg, "amsp.precision") or "auto", cfg.trainer.dtype
+    return a if a != "auto" else t if t != "auto" else "bf16" if device.type == "cuda" else "fp32"
+
+
 def measured_compute(cfg: DictConfig, denv, device: torch.device) -> ComputeProfile:
     """The run's compute profile (compute_profile.py), measured on every rank or read from the cache.
     Collective when the world has several ranks."""
@@ -112,11 +119,9 @@ def measured_compute(cfg: DictConfig, denv, device: torch.device) -> ComputeProf
 
     p = planner_config(cfg)
     model = to_llama_config(cfg.model)
-    a, t = OmegaConf.select(cfg, "amsp.precision") or "auto", cfg.trainer.dtype
-    dtype = a if a != "auto" else t if t != "auto" else "bf16" if device.type == "cuda" else "fp32"
     cache = pathlib.Path(p.cache_dir) if p.cache_dir else None  # next to the probe's files
     shared = device.type == "cpu" and cpu_shared_cores(machine_ranks(denv.local_world_size)) is not None
-    return measure_profile(model, cfg.data.seq_len, cfg.trainer.micro_batch_size, dtype,
+    return measure_profile(model, cfg.data.seq_len, cfg.trainer.micro_batch_size, timing_dtype(cfg, device),
                            model.activation_checkpointing, device, denv.world_size, denv.rank, cache,
                            p.probe_cache, p.overlap_slowdown, cores_shared=shared)
 

@@ -61,6 +61,13 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def tp_candidates(model: LlamaConfig, ranks_per_node: int, seq_len: int) -> list[int]:
+    """The tensor-parallel degrees the search considers (ascending, 1 first): they divide the ranks per
+    node (TP stays inside a node) and every dimension TP splits (tensor_parallel.check_divisible)."""
+    dims = (model.n_heads, model.n_kv_heads, model.vocab_size, model.ffn_hidden_dim, seq_len)
+    return [t for t in _divisors(ranks_per_node) if all(d % t == 0 for d in dims)]
+
+
 class _Candidate:
     """One (tp, pp, mbs): stage pricers, the split DP, the per-stage choices and the step time."""
 
@@ -210,8 +217,7 @@ def plan_joint(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, glob
     world, gpn = cluster.world, cluster.ranks_per_node
     eff = efficiency or {}
     plans, shortfall = [], None
-    tps = tp_degrees or [t for t in _divisors(gpn) if model.n_heads % t == 0 and model.n_kv_heads % t == 0
-                         and model.vocab_size % t == 0 and seq_len % t == 0]
+    tps = tp_degrees or tp_candidates(model, gpn, seq_len)
     combos = [(tp, pp) for tp in tps for pp in _divisors(world // tp) if pp <= model.n_layers]
     for n, (tp, pp) in enumerate(combos):
         dp = world // (tp * pp)
