@@ -111,8 +111,21 @@ class _FragmentSavePlanner(ChecksumMixin, DefaultSavePlanner):
 
     def resolve_data(self, write_item):
         frag = self.fragments.get((write_item.index.fqn, tuple(write_item.index.offset or ())))
-        data = frag.tensor.detach() if frag is not None else super().resolve_data(write_item)
+        data = _own_storage_alias(frag.tensor.detach()) if frag is not None else super().resolve_data(write_item)
         return self._checksum_resolved(write_item, data) if self.checksum else data
+
+
+def _own_storage_alias(t: torch.Tensor) -> torch.Tensor:
+    """A fragment is a view into an engine's flat buffer. DCP's file writer clones every tensor whose
+    storage is larger than itself (so that torch.save writes the view, not the buffer) and keeps each
+    written tensor until the rank's file is closed: a save held a second copy of everything the rank
+    writes (+859 MiB on a 99M-parameter 1/1/1 rank 0). A CPU view aliased through a buffer of exactly
+    its own bytes needs no clone; other tensors (non-contiguous, or off the CPU) are left to DCP."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0 \
+            or t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    raw = t.reshape(-1).view(torch.uint8).numpy()  # numpy has no bfloat16: alias the bytes
+    return torch.frombuffer(memoryview(raw), dtype=torch.uint8).view(t.dtype).reshape(t.shape)
 
 
 class _FragmentLoadPlanner(DefaultLoadPlanner):

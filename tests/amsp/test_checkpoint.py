@@ -22,16 +22,39 @@ def full_tensor(key: str, kind: str) -> torch.Tensor:
 
 
 def fragments_for(rank: int, world: int, shards: int, fill: bool) -> list[Fragment]:
-    """Each key split into `shards` uneven ranges; rank r holds range r % shards (replicas beyond)."""
-    out = []
+    """Each key split into `shards` uneven ranges; rank r holds range r % shards (replicas beyond).
+    The pieces are views into one flat buffer, as the engine's fragments are (the save path that
+    aliases views instead of letting DCP clone them is the one exercised)."""
+    pieces = []
     for key, n in SHAPES.items():
         cuts = [0] + [min(n, (i * n) // shards + i % 3) for i in range(1, shards)] + [n]
         idx = rank % shards
         lo, hi = cuts[idx], cuts[idx + 1]
         for kind in ("model", "optim.exp_avg"):
-            data = full_tensor(key, kind)[lo:hi].clone() if fill else torch.full((hi - lo,), float("nan"))
-            out.append(Fragment(f"{kind}.{key}", n, lo, data, primary=rank < shards))
+            data = full_tensor(key, kind)[lo:hi] if fill else torch.full((hi - lo,), float("nan"))
+            pieces.append((f"{kind}.{key}", n, lo, data))
+    flat = torch.cat([p[3] for p in pieces])
+    out, pos = [], 0
+    for name, n, lo, data in pieces:
+        out.append(Fragment(name, n, lo, flat[pos:pos + data.numel()], primary=rank < shards))
+        pos += data.numel()
     return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_save_aliases_views_of_a_flat_buffer_without_copying(dtype):
+    from amsp.checkpoint import _own_storage_alias
+
+    flat = torch.arange(64, dtype=torch.float32).to(dtype)
+    view = flat[8:40].view(4, 8)
+    alias = _own_storage_alias(view)
+    assert alias.untyped_storage().nbytes() == view.nbytes  # DCP's writer will not clone it
+    assert alias.data_ptr() == view.data_ptr() and alias.dtype == dtype and alias.shape == view.shape
+    assert torch.equal(alias, view)
+    whole = torch.ones(5)
+    assert _own_storage_alias(whole) is whole  # its own storage already
+    strided = flat.view(8, 8)[:, :2]
+    assert _own_storage_alias(strided) is strided  # not contiguous: left to DCP
 
 
 def _save(rank, world, run_dir, shards, async_save):
