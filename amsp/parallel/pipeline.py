@@ -190,9 +190,9 @@ class PipelineRunner:
         losses: list = []
         with data_plane(), self.engine.parts.loss_context():  # p2p sends are data-plane traffic
             if self.first:
-                fn(x, target=y, losses=losses)
+                fn(x, target=y, losses=losses, return_outputs=False)
             else:
-                fn(target=y, losses=losses)
+                fn(target=y, losses=losses, return_outputs=False)
         return [float(_plain(loss.detach())) / self.scale for loss in losses]
 
     def train_step(self, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> tuple[float, int]:
