@@ -153,7 +153,8 @@ def _run_joint(cfg, args) -> int:
     log = (lambda msg: None) if args.json else (lambda msg: print(msg, file=sys.stderr))
     plans = plan_joint(to_llama_config(cfg.model), cluster, seq_len=seq, global_batch=global_batch, precision=prec,
                        efficiency=eff, top_k=p.top_k, memory_margin=p.memory_margin,
-                       reserved_bytes=p.reserved_gib * 2**30, progress=log)
+                       reserved_bytes=p.reserved_gib * 2**30, progress=log,
+                       overlap_spread=bool(cfg.amsp.overlap_spread), spread_window=int(cfg.amsp.spread_window))
     if args.json:
         print(json.dumps({"choice": plans[0].to_json(), "alternatives": [x.to_json() for x in plans[1:]],
                           "inputs": {"cluster": cluster.describe(), "model": cfg.model.name, "seq_len": seq,

@@ -5,15 +5,20 @@ ranks for 2 steps, every rank inside its own cgroup-v1 memory group limited to t
 is the rank's entry point: it joins its group, then runs train.py in the same process). A run whose
 rank the kernel's OOM killer ended (the group's `oom_kill` count) is an out-of-memory run. The
 prediction is the joint planner's memory model (its tightest stage, amsp/planner/joint/stage_cost.py,
-8% margin included) with the runtime outside the tensors as the reserve (what a debug-sized run peaks
-at under the same launcher, measured first): the configuration fits when that is within the cap, the
-rule the planner applies to the device memory. Reports precision
+8% margin included) with the runtime outside the tensors as the reserve (the anonymous memory of a
+debug-sized run of the same launcher, measured first): the configuration fits when that is within the
+cap, the rule the planner applies to the device memory. The split is the one train.py runs for a
+hand-named parallel.pp (amsp/parallel/pipeline.py split_layers).
+--fidelity runs every configuration uncapped instead and compares each rank's peak resident set above
+its resident set before the build with its stage's predicted tensors (no margin, no reserve); the
+training steps and the final checkpoint's save are reported apart. Reports precision
 and recall of "out of memory" (issue 16: both >= 0.95) and, for the runs that lived, their peak
 resident set (train.py's VmHWM, which also counts shared library pages the group is not charged for).
 A group's own usage counter is no peak here: it fills with reclaimable page cache up to the cap.
 
     python scripts/bench/joint_memory_caps.py --json /tmp/jm/caps.json            # needs root (cgroup v1)
     python scripts/bench/joint_memory_caps.py --cap-mib 1400 --limit 4
+    python scripts/bench/joint_memory_caps.py --fidelity --json /tmp/jm/fidelity.json   # no cgroups needed
 """
 from __future__ import annotations
 
@@ -40,9 +45,78 @@ CONFIGS = [(1, 1, d, 1) for d in ((1, 1, 1), (1, 1, 4), (1, 4, 4), (4, 4, 4))] +
     (1, 2, (1, 1, 1), 2), (2, 2, (1, 1, 1), 2), (1, 4, (1, 1, 1), 2)]
 
 
+def status_kib(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def mark_build_start(out_path: str) -> None:
+    """Fidelity mode: the resident set just before the model is built becomes the base, VmHWM restarts
+    there and is read at exit (train.py's own per-step resets are switched off), so the peak above
+    the base is what the build, the steps and the pipeline added: tensors plus what the runtime grew."""
+    import atexit
+
+    import amsp.build
+    import amsp.metrics.memory as memory
+    import amsp.parallel.setup as setup
+    import amsp.train_state as train_state
+
+    state = {}
+
+    def mark():
+        if not state:
+            state["base_kib"], state["anon_kib"] = status_kib("VmRSS"), status_kib("RssAnon")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+
+    def wrap(mod, name):
+        inner = getattr(mod, name)
+
+        def wrapped(*a, **k):
+            mark()
+            return inner(*a, **k)
+        setattr(mod, name, wrapped)
+
+    inner_build = amsp.build.engine_from_config
+
+    def build(*a, **k):  # the build's own peak and what it leaves resident (diagnosis of the remainder)
+        mark()
+        engine = inner_build(*a, **k)
+        state["built_hwm_kib"], state["built_rss_kib"] = status_kib("VmHWM"), status_kib("VmRSS")
+        return engine
+    amsp.build.engine_from_config = build
+    wrap(setup, "model_parts")
+    memory.reset_cpu_peak = lambda: None
+    # the training steps' peak apart from the final checkpoint's (its staging is host memory)
+    inner_save = train_state.save_training_state
+
+    def save(*a, **k):
+        state.setdefault("before_save_kib", status_kib("VmHWM"))
+        return inner_save(*a, **k)
+    train_state.save_training_state = save
+
+    def report():
+        if state:
+            json.dump({"base_mib": state["base_kib"] / 1024, "hwm_mib": status_kib("VmHWM") / 1024,
+                       "anon_base_mib": state["anon_kib"] / 1024,
+                       "steps_hwm_mib": state.get("before_save_kib", 0) / 1024,
+                       "built_hwm_mib": state.get("built_hwm_kib", 0) / 1024,
+                       "built_rss_mib": state.get("built_rss_kib", 0) / 1024}, open(out_path, "w"))
+    atexit.register(report)
+
+
 def rank_shim(cap_mib: int, tag_dir: str, argv: list[str]) -> None:
-    """This rank's own memory group at the cap, then train.py in this process."""
+    """This rank's own memory group at the cap (cap 0: uncapped, peak above the build measured), then
+    train.py in this process."""
     rank = os.environ.get("RANK", "0")
+    if cap_mib == 0:
+        mark_build_start(os.path.join(tag_dir, f"peak{rank}.json"))
+        sys.argv = ["train.py", *argv]
+        os.chdir(ROOT)
+        runpy.run_path(os.path.join(ROOT, "train.py"), run_name="__main__")
+        return
     group = os.path.join(CGROUP, f"amspb-cap-{os.getpid()}")
     os.makedirs(group, exist_ok=True)
     with open(os.path.join(group, "memory.limit_in_bytes"), "w") as f:
@@ -60,6 +134,8 @@ def read_groups(tag_dir: str) -> list[dict]:
     """Per rank: OOM kills and peak bytes of its group; the groups are removed."""
     out = []
     for name in sorted(os.listdir(tag_dir)):
+        if not name.startswith("rank"):
+            continue
         group = open(os.path.join(tag_dir, name)).read().strip()
         oom = dict(line.split() for line in open(os.path.join(group, "memory.oom_control")))
         peak = int(open(os.path.join(group, "memory.max_usage_in_bytes")).read())
@@ -73,9 +149,11 @@ def read_groups(tag_dir: str) -> list[dict]:
     return out
 
 
-def run(tp: int, pp: int, deg, mbs: int, cap_mib: int, extra: list[str], workdir: str, prefix: str = "") -> dict:
+def run(tp: int, pp: int, deg, mbs: int, cap_mib: int, extra: list[str], workdir: str, prefix: str = "",
+        tag_dir: str | None = None) -> dict:
+    """cap_mib 0: no memory groups (the fidelity mode's uncapped run)."""
     name = f"{prefix}tp{tp}pp{pp}_{'-'.join(map(str, deg))}_mbs{mbs}"
-    tag_dir = tempfile.mkdtemp(dir=workdir)
+    tag_dir = tag_dir or tempfile.mkdtemp(dir=workdir)
     args = [*extra, f"parallel.tp={tp}", f"parallel.pp={pp}", f"amsp.p={deg[0]}", f"amsp.g={deg[1]}",
             f"amsp.os={deg[2]}", "amsp.plan=custom", f"trainer.micro_batch_size={mbs}", "trainer.max_steps=2",
             "trainer.val_samples=0", "trainer.checkpoint_interval=0", "logging.wandb.mode=disabled",
@@ -83,12 +161,19 @@ def run(tp: int, pp: int, deg, mbs: int, cap_mib: int, extra: list[str], workdir
             "amsp.ranks_per_node=2", "amsp.planner.recheck_steps=0"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
            os.path.abspath(__file__), "--rank-shim", str(cap_mib), "--tag-dir", tag_dir, "--", *args]
-    # glibc serves blocks over 1 MiB by mmap and trims at once, so a freed tensor's pages go back (as
+    # glibc serves blocks over 64 KiB by mmap and trims at once, so a freed tensor's pages go back (as
     # bench_memory_fidelity.py does): with glibc's defaults it keeps them, and a zero3 run whose tensors
-    # need ~1.1 GiB was OOM-killed under a 1.4 GiB cap, retention the planner's memory model does not price
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(MIB), "MALLOC_TRIM_THRESHOLD_": "0"}
+    # need ~1.1 GiB was OOM-killed under a 1.4 GiB cap, retention the planner's memory model does not price.
+    # At 1 MiB the tensor-parallel runs' sub-MiB activation slices (T x dim / tp fp32) stayed on the heap:
+    # tp 2, 1/1/1 kept 150 MiB after its first step that 64 KiB returns (18 MiB).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(64 * 1024),
+           "MALLOC_TRIM_THRESHOLD_": "0"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     groups = read_groups(tag_dir)
+    if cap_mib == 0:
+        if proc.returncode != 0:
+            raise SystemExit(f"{name} failed ({proc.returncode}): {(proc.stderr + proc.stdout)[-1500:]}")
+        return {}
     oom = any(g["oom_kills"] for g in groups)
     peak = None
     metrics = os.path.join(workdir, name, "metrics.jsonl")
@@ -101,8 +186,38 @@ def run(tp: int, pp: int, deg, mbs: int, cap_mib: int, extra: list[str], workdir
             "groups": groups}
 
 
+def peaks_above_build(tp: int, pp: int, deg, mbs: int, extra: list[str], workdir: str) -> list[tuple[float, float]]:
+    """Uncapped run: each rank's peak resident set above its resident set before the build (MiB), over
+    the training steps and over the whole run (the final checkpoint's save included)."""
+    tag_dir = tempfile.mkdtemp(dir=workdir)
+    run(tp, pp, deg, mbs, 0, extra, workdir, prefix="fid_", tag_dir=tag_dir)
+    out = []
+    for r in range(4):
+        got = json.load(open(os.path.join(tag_dir, f"peak{r}.json")))
+        out.append((got["steps_hwm_mib"] - got["base_mib"], got["hwm_mib"] - got["base_mib"]))
+    return out
+
+
+def runtime_reserve(workdir: str) -> float:
+    """MiB the runtime holds outside the model's tensors, per rank: a debug-sized run of the same launcher,
+    its anonymous resident memory before the build (torch, process groups, data) plus what its steps
+    added. Anonymous memory only: the kernel reclaims page cache and shared library pages under a cap
+    before it kills (a group's charged peak, page cache included, read 294 and 645 MiB on two runs)."""
+    tag_dir = tempfile.mkdtemp(dir=workdir)
+    run(1, 1, (1, 1, 1), 1, 0, ["model=debug", "data.seq_len=64", "trainer.global_batch_size=8"], workdir,
+        prefix="runtime_", tag_dir=tag_dir)
+    ranks = [json.load(open(os.path.join(tag_dir, f"peak{r}.json"))) for r in range(4)]
+    return max(g["anon_base_mib"] + g["steps_hwm_mib"] - g["base_mib"] for g in ranks)
+
+
 def stage_peaks(tp: int, pp: int, deg, mbs: int, reserve_bytes: float, extra: list[str]) -> float:
     """The largest stage's predicted bytes (reserve and margin included) with no memory limit."""
+    return max(c.memory_bytes for c in stage_choices(tp, pp, deg, mbs, reserve_bytes, extra))
+
+
+def stage_choices(tp: int, pp: int, deg, mbs: int, reserve_bytes: float, extra: list[str]) -> list:
+    """The joint planner's per-stage choice (memory and its parts) for this configuration."""
+    from amsp.parallel.pipeline import split_layers
     from amsp.plan import Degrees
     from amsp.planner.__main__ import compose_config
     from amsp.planner.from_config import cluster_spec
@@ -120,15 +235,50 @@ def stage_peaks(tp: int, pp: int, deg, mbs: int, reserve_bytes: float, extra: li
     s = Setting(model, int(cfg.data.seq_len), Precision.named("fp32"), tp, pp, dp, mbs, B, {},
                 reserved_bytes=reserve_bytes)
     cand = _Candidate(s, from_spec(spec))
-    res = cand.evaluate(cand.split(), Degrees(*deg), False)
-    return max(c.memory_bytes for c in res[1])
+    # the split the run uses: train.py's default for a hand-named parallel.pp (amsp/parallel/pipeline.py)
+    bounds, pos = [0], 1
+    for layers in split_layers(model.n_layers, pp):
+        pos += len(layers)
+        bounds.append(pos)
+    bounds[-1] = model.n_layers + 2
+    return cand.evaluate(bounds, Degrees(*deg), False)[1]
+
+
+def fidelity(configs, json_path: str | None, t0: float) -> int:
+    """Per configuration and stage: predicted tensor peak and its parts against the measured peak above
+    the build (the largest rank of the stage)."""
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        for i, c in enumerate(configs):
+            tp, pp = c[0], c[1]
+            choices = stage_choices(*c, 0.0, MODEL)
+            measured = peaks_above_build(*c, MODEL, work)
+            per_stage = 4 // pp
+            for st, ch in enumerate(choices):
+                parts = {k: v / MIB for k, v in ch.memory_parts.items() if k != "reserve"}
+                pred = sum(parts.values())
+                ranks = measured[st * per_stage:(st + 1) * per_stage]
+                got, with_save = max(r[0] for r in ranks), max(r[1] for r in ranks)
+                rows.append({"tp": tp, "pp": pp, "degrees": c[2], "mbs": c[3], "stage": st, "predicted_mib": pred,
+                             "parts_mib": parts, "measured_mib": got, "with_save_mib": with_save,
+                             "ranks_mib": measured})
+                print(f"[{i + 1}/{len(configs)} {time.time() - t0:.0f}s] {c} stage {st}: predicted {pred:.0f} MiB "
+                      f"({', '.join(f'{k} {v:.0f}' for k, v in parts.items())}), measured {got:.0f} MiB "
+                      f"({(pred - got) / got:+.1%}); {with_save:.0f} MiB with the final save", file=sys.stderr)
+    if json_path:
+        json.dump({"rows": rows, "wall_s": time.time() - t0}, open(json_path, "w"), indent=1)
+    return 0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cap-mib", type=int, default=0, help="per-rank cap (default: the median predicted peak)")
     ap.add_argument("--limit", type=int, default=0)
+    ap.add_argument("--only", help="comma-separated configuration indices (0-based) to run")
     ap.add_argument("--json")
+    ap.add_argument("--fidelity", action="store_true",
+                    help="no caps: each rank's peak above its pre-build resident set against its stage's "
+                         "predicted tensors (no margin, no reserve)")
     ap.add_argument("--rank-shim", type=int, help=argparse.SUPPRESS)  # internal: one capped rank
     ap.add_argument("--tag-dir", help=argparse.SUPPRESS)
     ap.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
@@ -140,14 +290,15 @@ def main() -> int:
         raise SystemExit(f"{CGROUP} is not writable: needs root and a cgroup-v1 memory controller")
     t0 = time.time()
     configs = CONFIGS[:a.limit] if a.limit else CONFIGS
+    if a.only:
+        configs = [CONFIGS[int(i)] for i in a.only.split(",")]
+    if a.fidelity:
+        return fidelity(configs, a.json, t0)
     with tempfile.TemporaryDirectory() as work:
-        # the runtime outside the tensors: what a debug-sized run of the same launcher peaks at
-        base = run(1, 1, (1, 1, 1), 1, 1 << 20, ["model=debug", "data.seq_len=64", "trainer.global_batch_size=8"],
-                   work, prefix="runtime_")
-        reserve = base["charged_mib"] * MIB  # with no cap nothing was reclaimed: what the runtime charges
-        peaks = {c: stage_peaks(*c, reserve, MODEL) / MIB for c in configs}
+        reserve_mib = runtime_reserve(work)
+        peaks = {c: stage_peaks(*c, reserve_mib * MIB, MODEL) / MIB for c in configs}
         cap = a.cap_mib or int(statistics.median(peaks.values()))
-        print(f"runtime reserve {base['charged_mib']:.0f} MiB per rank; cap {cap} MiB per rank", file=sys.stderr)
+        print(f"runtime reserve {reserve_mib:.0f} MiB per rank; cap {cap} MiB per rank", file=sys.stderr)
         rows = []
         for i, c in enumerate(configs):
             fits = peaks[c] <= cap
@@ -161,7 +312,7 @@ def main() -> int:
     fp = sum(not r["oom"] and not r["predicted_fits"] for r in rows)
     fn = sum(r["oom"] and r["predicted_fits"] for r in rows)
     lived = [r for r in rows if not r["oom"]]
-    summary = {"cap_mib": cap, "reserve_mib": base["charged_mib"], "configs": len(rows),
+    summary = {"cap_mib": cap, "reserve_mib": reserve_mib, "configs": len(rows),
                "oom_runs": sum(r["oom"] for r in rows),
                "precision": tp_ / (tp_ + fp) if tp_ + fp else float("nan"),
                "recall": tp_ / (tp_ + fn) if tp_ + fn else float("nan"),

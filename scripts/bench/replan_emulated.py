@@ -16,7 +16,7 @@ the largest loss difference from the `stay` run (the same batches: the cross-pla
 reductions in a different order).
 
     python scripts/bench/replan_emulated.py --json /tmp/rp/emulated.json       # root + iproute2
-    python scripts/bench/replan_emulated.py --rate 200mbit --steps 12
+    python scripts/bench/replan_emulated.py --rate 200mbit --prior-inter-gbs 0.25    # 10x the 0.025 GB/s link
 """
 from __future__ import annotations
 
@@ -58,14 +58,16 @@ def launch(cluster, name: str, extra: list[str], out: str, timeout: float) -> di
     argv = [sys.executable, os.path.join(ROOT, "train.py"), *BASE, *extra, f"trainer.output_dir={out}",
             f"trainer.run_name={name}"]
     t0 = time.monotonic()
-    res = cluster.launch(argv, ranks_per_node=2, timeout_s=timeout, log_dir=os.path.join(out, f"{name}-logs"))
+    log_dir = os.path.join(out, f"{name}-logs")
+    os.makedirs(log_dir, exist_ok=True)
+    res = cluster.launch(argv, ranks_per_node=2, timeout_s=timeout, log_dir=log_dir)
     wall = time.monotonic() - t0
     if not res.ok:
-        tail = "\n".join(r.output[-1500:] for r in res.ranks if r.returncode not in (0, None))[-3000:]
+        tail = "\n".join(r.log[-1500:] for r in res.ranks if r.returncode not in (0, None))[-3000:]
         raise SystemExit(f"run {name} failed (timed out: {res.timed_out}):\n{tail}")
     got = read_run(run_dir)
     got["wall_s"] = wall
-    got["plan_lines"] = [line.split("] ", 1)[-1] for line in res.ranks[0].output.splitlines()
+    got["plan_lines"] = [line.split("] ", 1)[-1] for line in res.ranks[0].log.splitlines()
                          if "chosen plan" in line or "planner recheck" in line or "switching" in line][:12]
     return got
 
@@ -99,16 +101,27 @@ def main() -> int:
     ap.add_argument("--rate", default="1600mbit", help="emulated link rate (tc units)")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--recheck", type=int, default=4)
+    ap.add_argument("--prior-inter-gbs", type=float, help="the prior's inter-node bandwidth (cluster."
+                    "inter_bandwidth_gbs; default: the cpu preset's 2 GB/s)")
+    ap.add_argument("--prior-intra-gbs", type=float, help="the prior's intra-node bandwidth (default: the preset's)")
     ap.add_argument("--timeout", type=float, default=900.0, help="per run")
     ap.add_argument("--json")
+    ap.add_argument("--out", help="run directories and rank logs (default: a new temporary directory, kept)")
     a = ap.parse_args()
     problems = nc.check_requirements()
     if problems:
         raise SystemExit("; ".join(problems))
     common = [f"trainer.max_steps={a.steps}", f"amsp.planner.recheck_steps={a.recheck}"]
+    if a.prior_inter_gbs:
+        common.append(f"cluster.inter_bandwidth_gbs={a.prior_inter_gbs}")
+    if a.prior_intra_gbs:
+        common.append(f"cluster.intra_bandwidth_gbs={a.prior_intra_gbs}")
     runs = {}
     t0 = time.time()
-    with tempfile.TemporaryDirectory(prefix="replan-") as out, nc.NetnsCluster(2, rate=a.rate) as cluster:
+    out = a.out or tempfile.mkdtemp(prefix="replan-")
+    os.makedirs(out, exist_ok=True)
+    print(f"runs in {out}", file=sys.stderr)
+    with nc.NetnsCluster(2, rate=a.rate) as cluster:
         for name, extra in (("replan", ["amsp.planner.replan=true"]), ("stay", ["amsp.planner.replan=false"])):
             runs[name] = launch(cluster, name, common + extra, out, a.timeout)
             print(f"[{time.time() - t0:.0f}s] {name}: wall {runs[name]['wall_s']:.1f} s, switch at "
@@ -119,7 +132,8 @@ def main() -> int:
             runs["named"] = launch(cluster, "named", common + named, out, a.timeout)
             print(f"[{time.time() - t0:.0f}s] named: wall {runs['named']['wall_s']:.1f} s, switch at "
                   f"{switch_step(runs['named'])}", file=sys.stderr)
-    result = {"rate": a.rate, "steps": a.steps, "recheck_steps": a.recheck, "summary": summary(runs, a.recheck),
+    result = {"rate": a.rate, "steps": a.steps, "recheck_steps": a.recheck, "prior": common[2:],
+              "summary": summary(runs, a.recheck),
               "runs": runs, "wall_s": time.time() - t0}
     print(json.dumps(result["summary"], indent=1))
     if a.json:

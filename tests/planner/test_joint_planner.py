@@ -89,3 +89,27 @@ def test_cli_joint_json(capsys):
     choice = out["choice"]
     assert choice["tp"] * choice["pp"] * choice["dp"] == 16 and choice["decided_by"]
     assert out["inputs"]["global_batch"] == 128 and out["alternatives"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("overlap_spread", [False, True])
+def test_one_stage_memory_is_the_amsp_planners(precision, overlap_spread):
+    """tp = pp = 1: a stage is the whole model, and its memory must be what the AMSP cost model (measured
+    within 10% on CPU, scripts/bench/bench_memory_fidelity.py) says for the same degrees, phase by phase."""
+    from amsp.plan import Degrees, Plan
+    from amsp.planner.cost_model import CostModel, Options
+    from amsp.planner.workload import Workload
+
+    cfg = get_preset("tiny").with_overrides(dim=256, n_layers=4, vocab_size=8192)
+    prec = Precision.named(precision)
+    cluster = load_preset("a100x8", 1)
+    s = Setting(cfg, 256, prec, 1, 1, 8, 2, 4, {}, memory_margin=0.0, reserved_bytes=0.0,
+                overlap_spread=overlap_spread, spread_window=2)
+    pricer = _Candidate(s, from_spec(cluster)).pricers[0]
+    model = CostModel(Workload(cfg, 256, 2, 4, prec), cluster,
+                      Options(memory_margin=0.0, reserved_bytes=0, overlap_spread=overlap_spread, spread_window=2))
+    for deg in (Degrees(1, 1, 1), Degrees(1, 1, 8), Degrees(1, 8, 8), Degrees(2, 4, 8), Degrees(8, 8, 8),
+                Degrees(2, 2, 2)):
+        joint, _ = pricer.memory(cfg.n_layers, True, True, deg, False, 1)
+        amsp = model.evaluate(Plan(deg, deg, name="t")).memory_total
+        assert joint == pytest.approx(amsp, rel=0.01), (deg, joint, amsp)

@@ -54,6 +54,9 @@ class Setting:
     # (node preset name, tp, micro-batch size) -> (block, head, embedding) forward + backward seconds
     # of one micro-batch, measured at startup; missing entries are priced from FLOPs
     unit_times: dict = field(default_factory=dict)
+    # the engine's parameter spread (amsp.overlap_spread, amsp.spread_window): where its buffers peak
+    overlap_spread: bool = False
+    spread_window: int = 2
 
     def workload(self, recompute: str = "none") -> Workload:
         return Workload(self.model, self.seq_len, self.micro_batch_size, self.micro_batches, self.precision,
@@ -138,6 +141,7 @@ class StagePricer:
         w, wf = s.workload("none"), s.workload("full")
         self.layer_act = {False: w.layer_activation_bytes(), True: wf.layer_activation_bytes()}
         self.head_act = w.head_activation_bytes()
+        self.loss_transient = w.parallel_loss_transient_bytes()
 
     # ---- compute ----
     def compute_s(self, n_blocks: int, embed: bool, head: bool, recompute: bool) -> float:
@@ -148,20 +152,38 @@ class StagePricer:
     # ---- memory ----
     def memory(self, n_blocks: int, embed: bool, head: bool, deg: Degrees, recompute: bool,
                in_flight: int) -> tuple[float, dict]:
+        """Peak bytes of one rank of the stage, the AMSP planner's accounting (cost_model.py) over the
+        stage's units: model states throughout, then the larger of two phases. Forward/backward: the
+        largest pair of units gathered together (current + prefetched, forward order), a pair's flat
+        gradients on their way to the reduce-scatter, the activations of the micro-batches in flight
+        (1F1B) and, with tensor parallelism, the vocabulary-parallel loss's transients. The optimizer
+        step: the OS-shard gradients held from the sync to the update. The parameter spread's window
+        joins the phase it runs in."""
         s, prec = self.s, self.s.precision
         pe, pb, ph = self.params
-        units = [pb] * n_blocks + ([pe] if embed else []) + ([ph] if head and ph else [])
-        params = sum(units)
+        tied_here = embed and head and not ph  # one embedding+head unit, gathered through the whole forward
+        order = ([pe] if embed else []) + [pb] * n_blocks + ([ph] if head and ph else [])
+        params = sum(order)
         states = params * (prec.param_bytes / deg.p + 4 / deg.g + prec.optim_bytes / deg.os)
-        biggest = sorted(units, reverse=True)[:2]
-        gathered = sum(biggest) * prec.param_bytes if deg.p > 1 else 0.0  # current + prefetched unit
-        grad_buf = sum(biggest) * prec.grad_bytes  # a unit's flat gradient on its way to the reduce-scatter
+        pairs = [order[i] + order[i + 1] for i in range(len(order) - 1)] or [order[0]]
+        gathered_units = pe + 2 * pb if tied_here and n_blocks >= 2 else max(pairs)
+        gathered = gathered_units * prec.param_bytes if deg.p > 1 else 0.0
+        buckets = max(pairs) * prec.grad_bytes
+        own_sync = deg.os > deg.g or prec.grad_bytes != 4  # else the OS gradient is a view of the G shard
+        grad_sync = params / deg.os * 4 if own_sync else 0.0
+        cast = 0.0 if prec.master_is_weights else 1 / deg.os
+        spread = 0.0 if deg.os == deg.p else \
+            min(s.spread_window, len(order)) * max(order) * (1 / deg.p + cast) * prec.param_bytes
         per_mb = n_blocks * self.layer_act[recompute] + (self.head_act if head else 0.0)
         acts = in_flight * per_mb + (self.layer_act[False] if recompute else 0.0)
-        tensors = states + gathered + grad_buf + acts
+        loss = self.loss_transient if head else 0.0
+        fwd_bwd = gathered + buckets + acts + loss + (spread if s.overlap_spread else 0.0)
+        step = grad_sync + (0.0 if s.overlap_spread else spread)
+        tensors = states + max(fwd_bwd, step)
         total = tensors * (1 + s.memory_margin) + s.reserved_bytes
-        return total, {"states": states, "buffers": gathered + grad_buf, "activations": acts,
-                       "reserve": total - tensors}
+        # parts add up to the tensor peak: what the step needs beyond forward/backward is its own part
+        return total, {"states": states, "buffers": fwd_bwd - acts - loss, "activations": acts + loss,
+                       "step_extra": max(0.0, step - fwd_bwd), "reserve": total - tensors}
 
     def fits(self, n_blocks: int, embed: bool, head: bool, recompute: bool, in_flight: int) -> bool:
         """With the most sharded AMSP degrees: can this range live on the stage at all?"""
