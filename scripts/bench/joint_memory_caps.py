@@ -35,6 +35,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+from bench_memory_fidelity import vm_kib  # noqa: E402
 
 CGROUP = "/sys/fs/cgroup/memory"
 MIB = 2**20
@@ -43,13 +46,6 @@ MODEL = ["model=tiny", "model.dim=768", "model.n_layers=8", "model.n_heads=12", 
 CONFIGS = [(1, 1, d, 1) for d in ((1, 1, 1), (1, 1, 4), (1, 4, 4), (4, 4, 4))] + [
     (1, 1, (1, 1, 1), 2), (1, 1, (2, 2, 2), 2), (1, 1, (4, 4, 4), 2), (2, 1, (1, 1, 1), 2), (2, 1, (2, 2, 2), 2),
     (1, 2, (1, 1, 1), 2), (2, 2, (1, 1, 1), 2), (1, 4, (1, 1, 1), 2)]
-
-
-def status_kib(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
 
 
 def mark_build_start(out_path: str) -> None:
@@ -67,7 +63,7 @@ def mark_build_start(out_path: str) -> None:
 
     def mark():
         if not state:
-            state["base_kib"], state["anon_kib"] = status_kib("VmRSS"), status_kib("RssAnon")
+            state["base_kib"], state["anon_kib"] = vm_kib("VmRSS"), vm_kib("RssAnon")
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
 
@@ -79,31 +75,22 @@ def mark_build_start(out_path: str) -> None:
             return inner(*a, **k)
         setattr(mod, name, wrapped)
 
-    inner_build = amsp.build.engine_from_config
-
-    def build(*a, **k):  # the build's own peak and what it leaves resident (diagnosis of the remainder)
-        mark()
-        engine = inner_build(*a, **k)
-        state["built_hwm_kib"], state["built_rss_kib"] = status_kib("VmHWM"), status_kib("VmRSS")
-        return engine
-    amsp.build.engine_from_config = build
+    wrap(amsp.build, "engine_from_config")
     wrap(setup, "model_parts")
     memory.reset_cpu_peak = lambda: None
     # the training steps' peak apart from the final checkpoint's (its staging is host memory)
     inner_save = train_state.save_training_state
 
     def save(*a, **k):
-        state.setdefault("before_save_kib", status_kib("VmHWM"))
+        state.setdefault("before_save_kib", vm_kib("VmHWM"))
         return inner_save(*a, **k)
     train_state.save_training_state = save
 
     def report():
         if state:
-            json.dump({"base_mib": state["base_kib"] / 1024, "hwm_mib": status_kib("VmHWM") / 1024,
+            json.dump({"base_mib": state["base_kib"] / 1024, "hwm_mib": vm_kib("VmHWM") / 1024,
                        "anon_base_mib": state["anon_kib"] / 1024,
-                       "steps_hwm_mib": state.get("before_save_kib", 0) / 1024,
-                       "built_hwm_mib": state.get("built_hwm_kib", 0) / 1024,
-                       "built_rss_mib": state.get("built_rss_kib", 0) / 1024}, open(out_path, "w"))
+                       "steps_hwm_mib": state.get("before_save_kib", 0) / 1024}, open(out_path, "w"))
     atexit.register(report)
 
 
@@ -222,7 +209,7 @@ def stage_choices(tp: int, pp: int, deg, mbs: int, reserve_bytes: float, extra: 
     from amsp.planner.__main__ import compose_config
     from amsp.planner.from_config import cluster_spec
     from amsp.planner.joint.hetero import from_spec
-    from amsp.planner.joint.search import _Candidate
+    from amsp.planner.joint.search import _Candidate, split_bounds
     from amsp.planner.joint.stage_cost import Setting
     from amsp.schedule import Precision
     from configs.schema import to_llama_config
@@ -236,11 +223,7 @@ def stage_choices(tp: int, pp: int, deg, mbs: int, reserve_bytes: float, extra: 
                 reserved_bytes=reserve_bytes)
     cand = _Candidate(s, from_spec(spec))
     # the split the run uses: train.py's default for a hand-named parallel.pp (amsp/parallel/pipeline.py)
-    bounds, pos = [0], 1
-    for layers in split_layers(model.n_layers, pp):
-        pos += len(layers)
-        bounds.append(pos)
-    bounds[-1] = model.n_layers + 2
+    bounds = split_bounds([len(layers) for layers in split_layers(model.n_layers, pp)])
     return cand.evaluate(bounds, Degrees(*deg), False)[1]
 
 

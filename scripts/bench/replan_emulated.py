@@ -79,7 +79,7 @@ def switch_step(run: dict) -> int | None:
     return None
 
 
-def summary(runs: dict, recheck: int) -> dict:
+def summary(runs: dict) -> dict:
     ref = runs["stay"]["losses"]
     out = {}
     for name, r in runs.items():
@@ -133,7 +133,7 @@ def main() -> int:
             print(f"[{time.time() - t0:.0f}s] named: wall {runs['named']['wall_s']:.1f} s, switch at "
                   f"{switch_step(runs['named'])}", file=sys.stderr)
     result = {"rate": a.rate, "steps": a.steps, "recheck_steps": a.recheck, "prior": common[2:],
-              "summary": summary(runs, a.recheck),
+              "summary": summary(runs),
               "runs": runs, "wall_s": time.time() - t0}
     print(json.dumps(result["summary"], indent=1))
     if a.json:

@@ -323,6 +323,17 @@ def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[:width - 1] + "…"
 
 
+def split_bounds(layer_split: list[int]) -> list[int]:
+    """Unit boundaries of the stages (units: the embedding, then the blocks, then the head) for
+    `layer_split` blocks per stage: the first stage starts with the embedding, the last ends with the head."""
+    bounds, pos = [0], 1
+    for n in layer_split:
+        pos += n
+        bounds.append(pos)
+    bounds[-1] = sum(layer_split) + 2
+    return bounds
+
+
 def price_config(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, global_batch: int,
                  precision: Precision, tp: int, pp: int, micro_batch_size: int, degrees,
                  recompute: bool = False, layer_split: list[int] | None = None, efficiency: dict | None = None,
@@ -340,11 +351,7 @@ def price_config(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, gl
         bounds = cand.split()
         if bounds is None:
             return None
-    else:  # units: the embedding, then the blocks, then the head
-        bounds, pos = [0], 1
-        for n in layer_split:
-            pos += n
-            bounds.append(pos)
-        bounds[-1] = model.n_layers + 2
+    else:
+        bounds = split_bounds(layer_split)
     res = cand.evaluate(bounds, degrees, recompute)
     return None if res is None else (res[0], res[2])
