@@ -139,6 +139,8 @@ class PlannerConfig:
     mfu: float = 0.45  # assumed hardware FLOP utilisation of the compute (recomputation counted)
     memory_margin: float = 0.08  # allocator reserve: fragmentation, as a fraction of the peak tensor bytes
     reserved_gib: float = 1.0  # runtime outside the allocator: CUDA context, workspaces, kernels
+    # cap on model states (params + grads + optimizer states) per rank besides the device fit; None: none
+    state_budget_gib: Optional[float] = None
     # Model-parallel degrees the planner prices the DP group under: a training run takes them from
     # parallel.tp / parallel.pp; set here for `python -m amsp.planner` what-ifs.
     tp: int = 1

@@ -24,7 +24,7 @@ def joint_plan_for_run(cfg: DictConfig, denv, device, run_dir: pathlib.Path | No
     """(cfg with parallel.* and trainer.micro_batch_size set from the choice, the JointPlan). Collective."""
     from configs.schema import to_llama_config
 
-    from ..planner.from_config import cluster_spec, planner_config, precision_name
+    from ..planner.from_config import cluster_spec, planner_config, precision_name, refuse_state_budget_for_joint
     from ..planner.joint.hetero import from_spec
     from ..planner.joint.search import format_joint, plan_joint
     from ..planner.startup import measured_compute, probe_for_run, ranks_per_node, with_probe
@@ -32,6 +32,7 @@ def joint_plan_for_run(cfg: DictConfig, denv, device, run_dir: pathlib.Path | No
     from ..schedule import Precision
 
     p = planner_config(cfg)
+    refuse_state_budget_for_joint(p)  # before any collective: every rank raises alike
     model = to_llama_config(cfg.model)
     seq = int(cfg.data.seq_len)
     tokens = OmegaConf.select(cfg, "trainer.global_batch_tokens")

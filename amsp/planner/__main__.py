@@ -32,7 +32,8 @@ from configs.schema import register_configs
 
 from .compute_profile import load_profile
 from .cost_model import CostModel
-from .from_config import cluster_spec, options_from_config, planner_config, precision_name, workload_from_config
+from .from_config import (cluster_spec, options_from_config, planner_config, precision_name,
+                          refuse_state_budget_for_joint, workload_from_config)
 from .report import NoFeasiblePlan, cluster_json, format_table, plan_cost_json
 from .simulate import DEFAULT_GPUS, format_simulation, simulate
 from .solve import parse_plan, plan_cluster, price_plan
@@ -140,6 +141,7 @@ def _run_joint(cfg, args) -> int:
 
     cluster = load_hetero(args.hetero) if args.hetero else from_spec(cluster_spec(cfg))
     p = planner_config(cfg)
+    refuse_state_budget_for_joint(p)
     eff = {g.name: float(p.mfu) for g in cluster.groups}
     if args.efficiency:
         try:

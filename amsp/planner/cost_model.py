@@ -92,6 +92,10 @@ class Options:
     # "unit": one collective per flat unit and phase (this engine); "tensor": one per parameter tensor
     # (DeepSpeed ZeRO-3's per-submodule fetch), a what-if for comparing with published systems
     granularity: str = "unit"
+    # A cap on model states (params + grads + optimizer states, bytes per rank) besides the device
+    # fit: a budget stated per parameter (the ZeRO papers' memory regime, the shoot-out's), or room
+    # kept for something this model does not see. None: only the device memory binds.
+    state_budget_bytes: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.mfu <= 1:
@@ -102,6 +106,8 @@ class Options:
             raise ValueError(f"collective granularity {self.granularity!r} is not 'unit' or 'tensor'")
         if self.overlap_slowdown is not None and not 0 <= self.overlap_slowdown <= 1:
             raise ValueError(f"overlap slowdown must be in [0, 1], got {self.overlap_slowdown}")
+        if self.state_budget_bytes is not None and self.state_budget_bytes <= 0:
+            raise ValueError(f"model-state budget must be > 0 bytes, got {self.state_budget_bytes}")
         if self.spread_window < 1:
             raise ValueError(f"amsp.spread_window={self.spread_window} must be >= 1 (units whose parameter "
                              f"spread may be in flight at once)")
@@ -443,5 +449,6 @@ class CostModel:
         exposed["grad_norm"] = sum(x.seconds * x.count for x in self.grad_norm())
         return PlanCost(plan=plan, compute_s=self.compute_s(), exposed_s=exposed, memory=memory,
                         collectives=collectives, device_memory=self.c.device_memory_bytes,
+                        state_budget=self.o.state_budget_bytes,
                         tokens_per_step_per_rank=self.w.tokens_per_micro_batch * self.w.micro_batches,
                         model_flops_per_rank=self.w.model_flops_per_step(), peak_flops=self.c.peak_flops)

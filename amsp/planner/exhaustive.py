@@ -53,7 +53,8 @@ def _plan(t: GroupTerms, i: int, j: int, name: str = "auto") -> Plan:
 def ranked(t: GroupTerms, k: int) -> list[Choice]:
     """The k best plans that fit, fastest first; ties broken by less memory, then smaller degrees."""
     time, memory = grid(t)
-    ok = np.argwhere(memory <= t.budget_bytes)
+    states = t.state_bytes[0][:, None] + t.state_bytes[1][None, :]
+    ok = np.argwhere((memory <= t.budget_bytes) & (states <= t.state_budget_bytes))
     if len(ok) == 0:
         return []
     i, j = ok[:, 0], ok[:, 1]

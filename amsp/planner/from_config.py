@@ -24,6 +24,15 @@ def planner_config(cfg: DictConfig) -> DictConfig:
     return node if node is not None else OmegaConf.structured(PlannerConfig)
 
 
+def refuse_state_budget_for_joint(p: DictConfig) -> None:
+    """The joint planner fits each stage against device memory only; a model-state cap it would not
+    honour is refused rather than ignored."""
+    if p.state_budget_gib is not None:
+        raise ValueError(f"amsp.planner.state_budget_gib={p.state_budget_gib} applies to the data-parallel "
+                         f"planner only; the joint planner (parallel.auto / --joint) fits stages against "
+                         f"device memory: unset it or name parallel.tp / parallel.pp")
+
+
 def options_from_config(cfg: DictConfig, compute: ComputeProfile | None = None) -> Options:
     """The cost model's options; `compute`: a measured (or loaded) profile in place of FLOPs at mfu."""
     p = planner_config(cfg)
@@ -31,7 +40,8 @@ def options_from_config(cfg: DictConfig, compute: ComputeProfile | None = None) 
     window = OmegaConf.select(cfg, "amsp.spread_window", default=Options.spread_window)
     return Options(mfu=p.mfu, memory_margin=p.memory_margin, reserved_bytes=int(p.reserved_gib * 2**30),
                    overlap_spread=bool(spread), spread_window=int(window), overlap_slowdown=p.overlap_slowdown,
-                   compute=compute)
+                   compute=compute,
+                   state_budget_bytes=None if p.state_budget_gib is None else p.state_budget_gib * 2**30)
 
 
 def micro_batches(cfg: DictConfig, dp_world: int) -> int:

@@ -8,6 +8,7 @@ in-flight spread bytes (the largest unit's spread, times the window W).
 Memory (every rank holds the same shards), the peak of two phases, each within the budget:
     forward/backward: sum_{g,c} x[g,c] * state_bytes[g,c] + z + activations + buckets [+ W * y] <= budget
     optimizer step:   sum_{g,c} x[g,c] * (state_bytes[g,c] + sync_bytes[g,c]) [+ W * y] <= budget
+and, when a model-state budget is given (Options.state_budget_bytes), sum x * state_bytes <= it.
 with the spread window W * y in the forward/backward phase when the spread overlaps the next
 forward, else in the step's.
 Objective: the cost model's step time, constant + sum_{g,c} x[g,c] * exposed_s[g,c]. The cost model
@@ -42,10 +43,12 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
     t0 = time.perf_counter()
     prob = pulp.LpProblem("amsp_plan", pulp.LpMinimize)
     budget = (t.budget_bytes - t.constant_bytes) / GIB
+    state_budget = t.state_budget_bytes / GIB
     x = {}
     for gi, group in enumerate(UNIT_GROUPS):
         # Candidates whose own model states already overflow cannot be part of any feasible plan.
-        keep = [ci for ci in range(len(t.candidates)) if t.state_bytes[gi, ci] / GIB <= budget]
+        keep = [ci for ci in range(len(t.candidates))
+                if t.state_bytes[gi, ci] / GIB <= min(budget, state_budget)]
         if not keep:
             return None, time.perf_counter() - t0
         for ci in keep:
@@ -68,6 +71,8 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
              "memory_per_rank")
     prob += (pulp.lpSum(x[k] * ((t.state_bytes[k] + t.sync_bytes[k]) / GIB) for k in x) + step_spread
              <= t.budget_bytes / GIB, "memory_at_step")
+    if state_budget < float("inf"):
+        prob += pulp.lpSum(x[k] * (t.state_bytes[k] / GIB) for k in x) <= state_budget, "model_state_budget"
     prob += pulp.lpSum(x[k] * (t.exposed_s[k] * 1e3) for k in x)
     with warnings.catch_warnings():
         # PuLP 3.3 deprecates PULP_CBC_CMD in favour of a separately installed CBC (pulp[cbc]); the

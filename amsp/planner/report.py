@@ -23,6 +23,7 @@ class PlanCost:
     model_flops_per_rank: float
     peak_flops: float
     ranks_per_replica: int = 1  # tp * pp GPUs share one data-parallel rank's tokens
+    state_budget: float | None = None  # Options.state_budget_bytes: a cap on params + grads + optim
 
     @property
     def step_time_s(self) -> float:
@@ -42,8 +43,16 @@ class PlanCost:
         return sum(self.memory.values())
 
     @property
+    def model_state_bytes(self) -> float:
+        return self.memory["params"] + self.memory["grads"] + self.memory["optim"]
+
+    @property
+    def within_state_budget(self) -> bool:
+        return self.state_budget is None or self.model_state_bytes <= self.state_budget
+
+    @property
     def fits(self) -> bool:
-        return self.memory_total <= self.device_memory
+        return self.memory_total <= self.device_memory and self.within_state_budget
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -82,6 +91,8 @@ def why(c: PlanCost) -> str:
     """The term that decides the plan's time beyond compute, compactly: 'inter-node bwd gather+reduce
     exposed 0.267 s (16%)', 'overlap slowdown (inter-node comm hidden) 0.08 s (5%)', or memory when
     the plan does not fit."""
+    if not c.within_state_budget:
+        return f"model states {c.model_state_bytes / GIB:.3g} > budget {c.state_budget / GIB:.3g} GiB"
     if not c.fits:
         return f"memory {c.memory_total / GIB:.1f} > {c.device_memory / GIB:.0f} GiB"
     terms = {ph: sec for ph, sec in c.exposed_s.items() if sec > 0}
@@ -164,6 +175,15 @@ class NoFeasiblePlan(RuntimeError):
             hints.append(f"a smaller micro-batch (trainer.micro_batch_size < {micro_batch_size})")
         hints += ["a shorter sequence (data.seq_len)", "more nodes (larger shard degrees)",
                   "tensor / pipeline parallelism (amsp.planner.tp / pp)"]
+        if smallest.memory_total <= smallest.device_memory and not smallest.within_state_budget:
+            # the device would hold it: the model-state cap is what binds
+            super().__init__(
+                f"no sharding plan keeps model states within amsp.planner.state_budget_gib = "
+                f"{smallest.state_budget / GIB:.3g} GiB per rank: the smallest-memory plan "
+                f"{plan_label(smallest.plan)} holds {smallest.model_state_bytes / GIB:.3g} GiB of params, grads "
+                f"and optimizer states. Raise or unset the budget, or use more nodes (larger shard degrees)")
+            self.smallest, self.excess_bytes = smallest, smallest.model_state_bytes - smallest.state_budget
+            return
         super().__init__(
             f"no sharding plan fits in {smallest.device_memory / GIB:.1f} GiB per device: the smallest-memory "
             f"plan {plan_label(smallest.plan)} needs {smallest.memory_total / GIB:.2f} GiB per rank, "
@@ -188,6 +208,7 @@ def plan_cost_json(c: PlanCost) -> dict:
         "exposed_total_s": c.exposed_total_s, "comm_seconds_by_phase": c.comm_seconds(),
         "comm_bytes_by_phase": c.comm_bytes(), "inter_node_bytes": c.inter_node_bytes(),
         "memory_bytes": dict(c.memory), "memory_total_bytes": c.memory_total, "device_memory_bytes": c.device_memory,
+        "model_state_bytes": c.model_state_bytes, "state_budget_bytes": c.state_budget,
         "fits": c.fits, "tokens_per_s_per_gpu": c.tokens_per_s_per_gpu, "mfu": c.mfu,
         "collectives": [{"phase": x.phase, "kind": x.kind, "unit": x.unit, "group_size": x.group_size,
                          "members_per_node": x.members_per_node, "nodes": x.nodes, "bytes": x.bytes,

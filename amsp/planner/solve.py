@@ -32,6 +32,9 @@ class PlannerResult:
                 f"exposed communication {c.exposed_total_s:.3f} s), {c.memory_total / 2**30:.2f} of "
                 f"{c.device_memory / 2**30:.1f} GiB per rank; ILP over {self.candidates} triples per group "
                 f"solved in {self.solve_s:.2f} s")
+        if c.state_budget is not None:
+            head += (f"\nmodel states {c.model_state_bytes / 2**30:.3g} GiB per rank within the model-state "
+                     f"budget of {c.state_budget / 2**30:.3g} GiB (amsp.planner.state_budget_gib)")
         text = format_table(self.ranked, head + "\nbest alternatives:")
         if self.presets:
             text += "\n" + format_table(self.presets, "named presets for comparison (total > device memory = does "

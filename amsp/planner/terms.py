@@ -33,6 +33,7 @@ class GroupTerms:
     constant_s: float
     constant_bytes: float
     budget_bytes: float
+    state_budget_bytes: float  # cap on the two groups' state bytes (inf: none)
 
     @classmethod
     def build(cls, model: CostModel) -> "GroupTerms":
@@ -53,4 +54,5 @@ class GroupTerms:
                 for role, b in gc.spread_bytes.items():
                     spread.setdefault(role, np.zeros(len(cands)))[ci] = b
         return cls(cands, exposed, state, sync, gathered, spread, model.spread_window, model.o.overlap_spread, role_group, model.buffer_pairs(),
-                   model.constant_time_s(), sum(model.constant_memory().values()), model.memory_budget())
+                   model.constant_time_s(), sum(model.constant_memory().values()), model.memory_budget(),
+                   np.inf if model.o.state_budget_bytes is None else float(model.o.state_budget_bytes))

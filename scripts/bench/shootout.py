@@ -65,19 +65,20 @@ def model_state_bytes_of_plan(plan_name: str, model: dict, spec: dict) -> int:
 
 
 def fit_check(systems: list[str], spec: dict, numel: int) -> dict[str, dict]:
-    """Memory regime: which named configurations' model states fit the per-rank budget."""
+    """Memory regime: which named configurations' model states fit the per-rank budget (the planner
+    is held to the same rule: amsp.planner.state_budget_gib)."""
     import peers
 
     world = spec["nodes"] * spec["ranks_per_node"]
     out = {}
     for s in systems:
         if s == "amsp:auto":
-            continue  # the planner enforces the budget itself (states + activations + buffers + margin)
+            continue  # the planner enforces the budget itself (Options.state_budget_bytes)
         if s in PEERS:
             b = peers.peer_model_state_bytes(s, numel, world, spec["ranks_per_node"])
         else:
             b = model_state_bytes_of_plan(s.split(":", 1)[1], spec["model"], spec)
-        out[s] = {"model_state_bytes": b, "fits": b <= spec["device_memory_bytes"]}
+        out[s] = {"model_state_bytes": b, "fits": b <= spec["state_budget_bytes"]}
     return out
 
 
@@ -124,8 +125,9 @@ def markdown(regime: str, spec: dict, rows: list[dict], raw: dict, cmd: str, dat
              f"configuration, order rotated each round" + ("" if raw.get("complete", True) else
                                                             "; STOPPED by its time limit (partial)")]
     if spec.get("budget_bytes_per_param"):
-        lines.append(f"- memory budget per rank: {spec['device_memory_bytes'] / 1e6:.1f} MB = "
-                     f"{spec['budget_bytes_per_param']} bytes/param (given to the planner as device memory)")
+        lines.append(f"- model-state budget per rank: {spec['state_budget_bytes'] / 1e6:.1f} MB = "
+                     f"{spec['budget_bytes_per_param']} bytes/param, for every system (given to the planner as "
+                     f"amsp.planner.state_budget_gib; its device memory stays the machine's share)")
     if raw.get("auto"):
         lines.append(f"- automatic plan: {raw['auto']['plan']} (probe: " + ", ".join(
             f"{k} {v['busbw_gbs']:.3f} GB/s bus, {v['latency_s'] * 1e3:.2f} ms" for k, v in raw["auto"]["probe"].items())
@@ -180,17 +182,19 @@ def main() -> int:
     if bad:
         raise SystemExit(f"unknown systems {bad}; choose from {PEERS + AMSP}")
     budget = reg.get("budget_bytes_per_param")
-    device_memory = int(budget * numel) if budget else int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world)
+    device_memory = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world)
+    state_budget = int(budget * numel) if budget else None
     spec = {"model": TINY, "numel": numel, "seed": 0, "lr": 3e-4, "nodes": a.nodes, "ranks_per_node": a.ranks_per_node,
             "rounds": a.rounds, "timed_steps": a.timed_steps, "warmup_steps": a.warmup_steps,
-            "device_memory_bytes": device_memory, "reserved_bytes": 0, "systems_all": systems, **reg}
+            "device_memory_bytes": device_memory, "state_budget_bytes": state_budget, "reserved_bytes": 0,
+            "systems_all": systems, **reg}
     skipped = {}
     if budget:
         fits = fit_check(systems, spec, numel)
         skipped = {s: v for s, v in fits.items() if not v["fits"]}
         for s, v in fits.items():
             print(f"{s:12s} model states {v['model_state_bytes'] / 1e6:6.1f} MB/rank "
-                  f"{'fits' if v['fits'] else 'DOES NOT FIT'} budget {device_memory / 1e6:.1f} MB")
+                  f"{'fits' if v['fits'] else 'DOES NOT FIT'} budget {state_budget / 1e6:.1f} MB")
     spec["systems"] = [s for s in systems if s not in skipped]
 
     tmp = tempfile.mkdtemp(prefix="amspb-shootout-")

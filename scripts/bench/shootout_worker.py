@@ -131,7 +131,8 @@ def choose_auto_plan(cfg: LlamaConfig, spec: dict, probe: dict, peak_flops: floa
     wl = Workload(model=cfg, seq_len=spec["seq_len"], micro_batch_size=spec["micro_batch_size"],
                   micro_batches=spec["micro_batches"],
                   precision=Precision(4, Precision.named(spec["precision"]).grad_bytes))  # fp32 compute
-    opts = Options(reserved_bytes=int(spec.get("reserved_bytes", 0)), memory_margin=spec.get("memory_margin", 0.08))
+    opts = Options(reserved_bytes=int(spec.get("reserved_bytes", 0)), memory_margin=spec.get("memory_margin", 0.08),
+                   state_budget_bytes=spec.get("state_budget_bytes"))
     return plan_cluster(wl, cluster, opts)
 
 

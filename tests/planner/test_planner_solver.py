@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from amsp.plan import Plan
 from amsp.planner import exhaustive, ilp
 from amsp.planner.cost_model import CostModel, Options
 from amsp.planner.terms import GroupTerms
@@ -76,3 +77,53 @@ def test_solve_time_16384_ranks():
     terms = GroupTerms.build(CostModel(w, flat_cluster(2048, 8, inter_gbps=370, latency_us=4)))
     choice, _ = ilp.solve(terms)
     assert choice is not None and time.perf_counter() - t0 < 2.0
+
+
+def test_model_state_budget_binds_every_solver_and_the_fit():
+    """amsp.planner.state_budget_gib caps params + grads + optimizer states apart from the device fit:
+    the ILP's choice is the fastest plan, by brute force over every priced pair, whose states are within
+    it; the table's fit and the 'why' say so; a budget nothing meets names the binding cap."""
+    from amsp.planner.report import NoFeasiblePlan, why
+    from amsp.planner.solve import plan_cluster
+
+    w = workload("debug", seq_len=64, mbs=1, micro_batches=2, precision="fp32")
+    cluster = flat_cluster(2, 2, intra_gbps=50, inter_gbps=1, latency_us=5, memory_gib=80)
+    free = CostModel(w, cluster, Options())
+    cands = free.candidates()
+    priced = [free.evaluate(Plan(b, e)) for b in cands for e in cands]
+    fastest = min(priced, key=lambda c: c.step_time_s)
+    states = sorted({c.model_state_bytes for c in priced})
+    assert fastest.model_state_bytes > states[0], "the case must make the cap bind"
+    budget = max(s for s in states if s < fastest.model_state_bytes)
+    opts = Options(state_budget_bytes=budget)
+    capped = CostModel(w, cluster, opts)
+    ref = min((c for c in priced if c.model_state_bytes <= budget), key=lambda c: c.step_time_s)
+    terms = GroupTerms.build(capped)
+    got, _ = ilp.solve(terms)
+    assert got.step_time_s == pytest.approx(ref.step_time_s, rel=1e-9)
+    assert exhaustive.best(terms).step_time_s == pytest.approx(ref.step_time_s, rel=1e-9)
+    res = plan_cluster(w, cluster, opts)
+    assert res.chosen.model_state_bytes <= budget and res.chosen.fits
+    assert all(c.model_state_bytes <= budget for c in res.ranked)
+    over = capped.evaluate(fastest.plan)
+    assert not over.fits and why(over).startswith("model states")
+    with pytest.raises(NoFeasiblePlan, match="state_budget_gib") as e:
+        plan_cluster(w, cluster, Options(state_budget_bytes=states[0] / 2))
+    assert e.value.excess_bytes == pytest.approx(states[0] / 2)
+    with pytest.raises(ValueError, match="model-state budget"):
+        Options(state_budget_bytes=0)
+
+
+def test_state_budget_from_config_and_refused_by_the_joint_planner():
+    from omegaconf import OmegaConf
+
+    from amsp.planner.from_config import options_from_config, planner_config, refuse_state_budget_for_joint
+    from configs.schema import TrainConfig
+
+    cfg = OmegaConf.structured(TrainConfig)
+    assert options_from_config(cfg).state_budget_bytes is None
+    refuse_state_budget_for_joint(planner_config(cfg))
+    cfg.amsp.planner.state_budget_gib = 0.5
+    assert options_from_config(cfg).state_budget_bytes == 2**29
+    with pytest.raises(ValueError, match="data-parallel planner only"):
+        refuse_state_budget_for_joint(planner_config(cfg))
