@@ -64,7 +64,7 @@ def _run(rank: int, world: int, cases: list[dict]) -> list[dict]:
     from amsp.plan import Degrees, Plan
     from models.llama.model import Llama
     from tests.amsp.amsp_cases import SCHEDULE, SETTINGS, rel
-    from tests.parallel.test_tp_engine import _worst_param_error
+    from tests.parallel.test_tp_engine import _param_error_parts, _worst_param_error
 
     torch.set_num_threads(1)
     out = []
@@ -105,8 +105,25 @@ def _run(rank: int, world: int, cases: list[dict]) -> list[dict]:
             (sum(eng.evaluate(x, y).item() for x, y in zip(vx, vy)), MICRO)
         val, n = control.all_reduce_sum_floats([float(v) for v in held])
         out.append({"case": case, "loss_err": loss_err, "norm_err": norm_err, "val": val / max(n, 1),
-                    "param_err": _worst_param_error(eng, ref["params"])})
+                    "param_err": _worst_param_error(eng, ref["params"]),
+                    "param_parts": _param_error_parts(eng, ref["params"])})
     return out
+
+
+def per_parameter_error(rank_parts: list[dict]) -> float:
+    """Worst relative error of a whole parameter, norm(trained - reference) / norm(reference), over the
+    union of every rank's shards (each global run counted once however many ranks hold it); the
+    per-fragment figure (param_err) divides by a fragment's own norm, which a shard of a few small
+    weights makes large."""
+    runs: dict = {}
+    for parts in rank_parts:
+        runs.update(parts)
+    diff2: dict = {}
+    ref2: dict = {}
+    for (name, _, _), (d2, r2) in runs.items():
+        diff2[name] = diff2.get(name, 0.0) + d2
+        ref2[name] = ref2.get(name, 0.0) + r2
+    return max((diff2[n] / max(ref2[n], 1e-24)) ** 0.5 for n in diff2)
 
 
 CASES = [
@@ -136,13 +153,18 @@ EIGHT_RANK_CASES = [  # the issue's acceptance shape: 8 ranks, 20 steps, AMSP pl
 @pytest.mark.slow  # 8 spawned ranks on a small machine: about a minute and a half
 def test_eight_ranks_tp_pp_dp_20_steps_equal_single_process():
     results = run_distributed(_run, 8, EIGHT_RANK_CASES, timeout=900)
-    worst = [{k: max(rank[i][k] for rank in results) for k in ("loss_err", "norm_err", "param_err")}
+    worst = [{**{k: max(rank[i][k] for rank in results) for k in ("loss_err", "norm_err", "param_err")},
+              "per_param_err": per_parameter_error([rank[i]["param_parts"] for rank in results])}
              for i in range(len(EIGHT_RANK_CASES))]
     print("8 ranks, 20 steps, worst over ranks:", list(zip([c.get("tp", 1) for c in EIGHT_RANK_CASES],
                                                               [c["pp"] for c in EIGHT_RANK_CASES], worst)))
     for case, w in zip(EIGHT_RANK_CASES, worst):
-        # Losses within 1e-5 (measured: about 1e-7). Weights, relative per fragment: the split matmuls and
-        # the sharded reductions sum in another order than one process, and over 20 AdamW steps that
-        # grows where a gradient is near zero: measured 1.2e-5 to 1.8e-5, so 3e-5 (a dropped shard or a
-        # double-counted copy is off by far more: tests/parallel/test_tp_engine.py). Gradient norm 1e-4.
-        assert w["loss_err"] <= 1e-5 and w["param_err"] <= 3e-5 and w["norm_err"] <= 1e-4, (case, w)
+        # Losses within 1e-5 (measured: about 1e-7). Parameters: 1e-5 is below fp32's own floor on this
+        # data. The single-process reference against itself, the same rows fed as one batch of 8 or as four
+        # of 2, differs by 1.55e-5 (layers.0.feed_forward.w2 after one step) and 9.6e-6 after 20: one
+        # element's gradient (2e-9) sits below AdamW's eps (1e-8), where the update follows rounding.
+        # Measured here, per whole parameter 1.4e-5 to 1.8e-5 (the same tensor, also with plan 1/1/1);
+        # per fragment 1.2e-5 to 2.5e-5. So 3e-5 for both (a dropped shard or a double-counted copy is
+        # off by far more: tests/parallel/test_tp_engine.py). Gradient norm 1e-4.
+        assert w["loss_err"] <= 1e-5 and w["per_param_err"] <= 3e-5, (case, w)
+        assert w["param_err"] <= 3e-5 and w["norm_err"] <= 1e-4, (case, w)

@@ -82,6 +82,23 @@ def _worst_param_error(eng, ref_params: dict) -> float:
     return worst
 
 
+def _param_error_parts(eng, ref_params: dict) -> dict:
+    """This rank's squared error and squared reference norm per run of global positions, keyed by
+    (parameter, global start, length) so that merging the ranks' dicts counts a replicated shard once
+    (tests/parallel/test_pp_engine.per_parameter_error combines them per parameter)."""
+    slots = {s.name: s for u in eng.units for s in u.slots}
+    out = {}
+    for f in eng.named_fragments():
+        full, tp = ref_params[f.name].reshape(-1), slots[f.name].tp
+        runs = [(f.start, f.start, f.end - f.start)] if tp is None else tp.global_runs(f.start, f.end)
+        pos = 0
+        for _, g, n in runs:
+            got, want = f.master[pos:pos + n], full[g:g + n]
+            out[(f.name, g, n)] = ((got - want).double().pow(2).sum().item(), want.double().pow(2).sum().item())
+            pos += n
+    return out
+
+
 def _run(rank: int, world: int, cases: list[dict]) -> list[dict]:
     from amsp import control
     from amsp.parallel.mesh import ParallelMesh
