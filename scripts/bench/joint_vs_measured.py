@@ -14,6 +14,13 @@ the fastest measured. The first 21 configurations are AMSP plans alone (tp = pp 
 
     python scripts/bench/joint_vs_measured.py --json /tmp/jb/loopback.json --markdown /tmp/jb/loopback.md
     python scripts/bench/joint_vs_measured.py --rate 200mbit --json /tmp/jb/200mbit.json   # needs root + iproute2
+    python scripts/bench/joint_vs_measured.py --slow-node 0.5 --json /tmp/jb/mixed.json    # needs root + cgroup v1
+
+--slow-node Q: a mixed cluster (slow_node.py): each emulated node pinned to a core of its own, the second
+slowed to Q of a core. Each node type's units are measured on a layout of that type alone (both nodes
+fast, both slow) and the probe on the mixed one; the configurations of MIXED_CONFIGS run on the mixed
+layout and are priced on a two-group cluster (amsp/planner/joint/hetero.py), pipelines both with an even
+split and with the split the planner picks for that cluster.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
+import slow_node  # noqa: E402
 from planner_vs_measured import spearman  # noqa: E402
 
 MODEL = ["model=tiny", "data.seq_len=128", "trainer.global_batch_size=16", "optim.warmup_steps=2"]
@@ -45,20 +53,29 @@ CONFIGS = [(1, 1, d, m) for m in (1, 2) for d in DP_DEGREES] + [(1, 1, (2, 2, 2)
     (2, 2, (1, 1, 1), 1), (2, 2, (1, 1, 1), 2), (1, 4, (1, 1, 1), 1), (1, 4, (1, 1, 1), 2),
 ]
 RANKS, RANKS_PER_NODE = 4, 2
+# The mixed cluster's configurations (--slow-node): node 1 is the slow one. Pipelines run twice: the
+# even split (None) and the split the planner picks for the mixed cluster ("planned").
+MIXED_CONFIGS = [(1, 1, (1, 1, 1), 2, None), (1, 1, (1, 1, 2), 2, None), (1, 1, (2, 2, 2), 2, None),
+                 (2, 1, (1, 1, 1), 2, None), (1, 2, (1, 1, 1), 2, None), (1, 2, (1, 1, 1), 2, "planned"),
+                 (1, 2, (1, 1, 1), 1, None), (1, 2, (1, 1, 1), 1, "planned"), (2, 2, (1, 1, 1), 2, None),
+                 (2, 2, (1, 1, 1), 2, "planned")]
 
 
-def run_config(tp, pp, deg, mbs, steps, rate, workdir) -> float | None:
+def run_config(tp, pp, deg, mbs, steps, rate, workdir, split=None, placed=False) -> float | None:
     """Median step seconds of train.py at this configuration; deg None: amsp.plan=auto (the AMSP planner
-    chooses at startup, its table lands in RUN_DIR/plan.txt)."""
-    name = f"tp{tp}pp{pp}_{'-'.join(map(str, deg)) if deg else 'auto'}_mbs{mbs}"
+    chooses at startup, its table lands in RUN_DIR/plan.txt). split: blocks per stage (None: train.py's
+    default); placed: ranks join the emulated nodes' cgroups (slow_node.py)."""
+    name = (f"tp{tp}pp{pp}_{'-'.join(map(str, deg)) if deg else 'auto'}_mbs{mbs}"
+            + (f"_split{'-'.join(map(str, split))}" if split else ""))
     plan = (["amsp.plan=auto"] if deg is None else
             [f"amsp.p={deg[0]}", f"amsp.g={deg[1]}", f"amsp.os={deg[2]}", "amsp.plan=custom"])
-    args = [*MODEL, f"parallel.tp={tp}", f"parallel.pp={pp}", *plan, f"trainer.micro_batch_size={mbs}",
+    layers = [f"parallel.layer_split=[{','.join(map(str, split))}]"] if split else []
+    args = [*MODEL, f"parallel.tp={tp}", f"parallel.pp={pp}", *layers, *plan, f"trainer.micro_batch_size={mbs}",
             f"trainer.max_steps={steps}",
             "trainer.log_interval=1", "trainer.val_samples=0", "trainer.checkpoint_interval=0",
             "logging.wandb.mode=disabled", "logging.plot=false", f"trainer.output_dir={workdir}",
             f"trainer.run_name={name}", "amsp.ranks_per_node=2", "amsp.planner.recheck_steps=0"]
-    cmd = launch_cmd(rate, "train.py", args)
+    cmd = launch_cmd(rate, "train.py", args, placed)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != 0:
@@ -146,14 +163,18 @@ def measure_worker(path: str, sizes: list[int]) -> None:
     out["points"] = _to_json(points)
     if denv.rank == 0:
         json.dump(out, open(path, "w"))
+    # gloo's threads torn down before the interpreter's exit: a rank left to exit with a live group can
+    # abort in its destructor ("terminate called without an active exception"), most often a throttled one
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
-def measure(sizes: list[int], rate: str | None) -> dict:
+def measure(sizes: list[int], rate: str | None, placed: bool = False) -> dict:
     """measure_worker's results, run on the same 4 ranks (and links) as the configurations."""
     with tempfile.TemporaryDirectory() as work:
         path = os.path.join(work, "measured.json")
         cmd = launch_cmd(rate, os.path.abspath(__file__), ["--measure-worker", path, "--sizes",
-                                                           ",".join(map(str, sizes))])
+                                                           ",".join(map(str, sizes))], placed)
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
         if proc.returncode != 0 or not os.path.exists(path):
@@ -161,8 +182,14 @@ def measure(sizes: list[int], rate: str | None) -> dict:
         return json.load(open(path))
 
 
-def launch_cmd(rate: str | None, script: str, args: list[str]) -> list[str]:
-    """The command that runs `script` on 4 ranks: torchrun over loopback, or the emulated 2 x 2 cluster."""
+def launch_cmd(rate: str | None, script: str, args: list[str], placed: bool = False) -> list[str]:
+    """The command that runs `script` on 4 ranks: torchrun over loopback, or the emulated 2 x 2 cluster;
+    placed: each rank first joins its emulated node's cgroups (slow_node.py, loopback only)."""
+    if placed:
+        if rate:
+            raise SystemExit("--slow-node runs over loopback; leave --rate out")
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}",
+                *slow_node.shim_args(script, RANKS_PER_NODE), *args]
     if rate:
         return [sys.executable, os.path.join(HERE, "netns_cluster.py"), "run", "--nodes", "2", "--ranks-per-node",
                 str(RANKS_PER_NODE), "--rate", rate, "--", sys.executable, script, *args]
@@ -217,6 +244,112 @@ def summarize(rows: list[dict], rate: str | None, got: dict, t0: float, a) -> No
                         f"| {e} |\n")
 
 
+def mixed_cluster(points, quota: float):
+    """slow_node.py's mixed layout as the joint planner's two-group cluster: node 0 of the cpu preset with
+    the probe merged in, node 1 the same at `quota` of its peak. Each node's 2 ranks share its one core,
+    so a rank alone on its node computes in half the all-busy time (ClusterSpec.shared_cores)."""
+    from dataclasses import replace
+
+    from amsp.planner.__main__ import compose_config
+    from amsp.planner.from_config import cluster_spec
+    from amsp.planner.joint.hetero import HeteroCluster, NodeGroup
+    from amsp.planner.probe import apply_points
+
+    spec = apply_points(cluster_spec(compose_config(MODEL), nodes=2, ranks_per_node=RANKS_PER_NODE,
+                                     local_ranks=RANKS, device="cpu"), *points)
+    fast = replace(spec, nodes=1, shared_cores=(RANKS_PER_NODE, 0.5))
+    slow = replace(fast, name=f"{spec.name}_slow", peak_flops=spec.peak_flops * quota)
+    return HeteroCluster("mixed", (NodeGroup(fast.name, 1, fast), NodeGroup(slow.name, 1, slow)))
+
+
+def predict_mixed(tp, pp, deg, mbs, split, cluster, inputs) -> tuple[float, list[int]] | None:
+    """(predicted step seconds, the blocks per stage priced) on the mixed cluster; split None: the
+    planner's own split for it."""
+    from amsp.plan import Degrees
+    from amsp.planner.__main__ import compose_config
+    from amsp.planner.joint.search import price_config
+    from amsp.schedule import Precision
+    from configs.schema import to_llama_config
+
+    cfg = compose_config(MODEL)
+    eff, units, slowdown = inputs
+    res = price_config(to_llama_config(cfg.model), cluster, seq_len=int(cfg.data.seq_len),
+                       global_batch=int(cfg.trainer.global_batch_size), precision=Precision.named("fp32"), tp=tp,
+                       pp=pp, micro_batch_size=mbs, degrees=Degrees(*deg), layer_split=split,
+                       efficiency={g: e[mbs] for g, e in eff.items()}, reserved_bytes=0, overlap_slowdown=slowdown,
+                       unit_times=units)
+    return None if res is None else (res[0], res[1]["layer_split"])
+
+
+def mixed_main(a, t0: float) -> int:
+    """--slow-node: measure each node type alone, then run and price MIXED_CONFIGS on the mixed layout."""
+    from amsp.parallel.pipeline import split_layers
+    from amsp.planner.probe import _from_json
+    from models.llama import get_preset
+
+    n_layers = get_preset("tiny").n_layers
+    configs = MIXED_CONFIGS[:a.limit] if a.limit else MIXED_CONFIGS
+    sizes = sorted({c[3] for c in configs})
+    got = {}
+    try:
+        for layout in ("fast", "slow", "mixed"):
+            slow_node.setup(layout, a.slow_node)
+            got[layout] = measure(sizes, None, placed=True)
+            print(f"[{time.time() - t0:.0f}s] measured the {layout} layout", file=sys.stderr)
+        cluster = mixed_cluster((_from_json(got["mixed"]["points"]), "probe"), a.slow_node)
+        eff, units = {}, {}
+        for layout, g in zip(("fast", "slow"), cluster.groups):
+            e, u, _, _ = pricing_inputs(got[layout])
+            # efficiency() divides by the cpu preset's peak; the slow group's peak is quota x that
+            eff[g.name] = {m: min(1.0, v / (1.0 if layout == "fast" else a.slow_node)) for m, v in e.items()}
+            units.update({(g.name, tp, m): t for (tp, m), t in u.items()})
+        slowdown = pricing_inputs(got["fast"])[2]
+        inputs = (eff, units, slowdown)
+        print(cluster.describe(), "units (block, head, embedding s):", units, file=sys.stderr)
+        rows = []
+        with tempfile.TemporaryDirectory() as work:
+            for i, (tp, pp, deg, mbs, how) in enumerate(configs):
+                split = None if how == "planned" else [len(x) for x in split_layers(n_layers, pp)]
+                priced = predict_mixed(tp, pp, deg, mbs, split, cluster, inputs)
+                pred, split = (None, split) if priced is None else priced
+                meas = run_config(tp, pp, deg, mbs, a.steps, None, work, split if pp > 1 else None, placed=True)
+                rows.append({"tp": tp, "pp": pp, "degrees": deg, "mbs": mbs, "split": split if pp > 1 else None,
+                             "how": how or "default", "predicted_s": pred, "measured_s": meas})
+                print(f"[{i + 1}/{len(configs)} {time.time() - t0:.0f}s] tp{tp} pp{pp} {deg} mbs{mbs} split "
+                      f"{split if pp > 1 else '-'} ({how or 'default'}): predicted "
+                      f"{pred if pred is None else round(pred, 4)} measured {meas if meas is None else round(meas, 4)}",
+                      file=sys.stderr)
+    finally:
+        slow_node.teardown()
+    ok = [r for r in rows if r["predicted_s"] and r["measured_s"]]
+    errs = [(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in ok]
+    first, fastest = min(ok, key=lambda r: r["predicted_s"]), min(ok, key=lambda r: r["measured_s"])
+    summary = {"layout": f"node 1 at {a.slow_node} of a core, node 0 a full core (2 ranks each)",
+               "configs": len(rows), "priced_and_ran": len(ok),
+               "spearman": spearman([r["predicted_s"] for r in ok], [r["measured_s"] for r in ok]),
+               "within_20pct": sum(abs(e) <= 0.2 for e in errs), "median_abs_error": statistics.median(map(abs, errs)),
+               "first_choice": f"tp{first['tp']} pp{first['pp']} {first['degrees']} mbs{first['mbs']} {first['how']}",
+               "first_choice_vs_fastest": first["measured_s"] / fastest["measured_s"],
+               "efficiency": eff, "units": {f"{k[0]} tp{k[1]} mbs{k[2]}": v for k, v in units.items()},
+               "wall_s": time.time() - t0}
+    print(json.dumps(summary, indent=1))
+    if a.json:
+        json.dump({"summary": summary, "rows": rows, "measured": got}, open(a.json, "w"), indent=1)
+    if a.markdown:
+        with open(a.markdown, "a") as f:
+            f.write("| tp | pp | p/g/os | mbs | blocks per stage | predicted s | measured s | error |\n"
+                    "|---|---|---|---|---|---|---|---|\n")
+            for r in rows:
+                e = (f"{(r['predicted_s'] - r['measured_s']) / r['measured_s']:+.0%}"
+                     if r["predicted_s"] and r["measured_s"] else "-")
+                split = f"{'/'.join(map(str, r['split']))} ({r['how']})" if r["split"] else "-"
+                pred = f"{r['predicted_s']:.3f}" if r["predicted_s"] else "-"
+                meas = f"{r['measured_s']:.3f}" if r["measured_s"] else "-"
+                f.write(f"| {r['tp']} | {r['pp']} | {'/'.join(map(str, r['degrees']))} | {r['mbs']} | {split} "
+                        f"| {pred} | {meas} | {e} |\n")
+    return 0
+
+
 def overrides_for(rate: str | None) -> list[str]:
     """The planner is told the emulated link, as a user would set cluster.* for their fabric."""
     return [f"cluster.inter_bandwidth_gbs={float(rate.removesuffix('mbit')) / 8e3}"] if rate else []
@@ -234,6 +367,8 @@ def main() -> int:
     ap.add_argument("--against", metavar="JSON", help="an earlier --json of the same links (for --auto)")
     ap.add_argument("--reprice", metavar="JSON", help="price the runs and measurements of an earlier --json again "
                                                         "with the current cost model (nothing is run)")
+    ap.add_argument("--slow-node", type=float, metavar="Q", help="a mixed cluster: node 1 slowed to Q of a core "
+                    "(slow_node.py; root, cgroup v1), MIXED_CONFIGS run and priced on it")
     ap.add_argument("--measure-worker", metavar="PATH", help=argparse.SUPPRESS)  # internal: one rank's measurement
     ap.add_argument("--sizes", default="1", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -241,6 +376,8 @@ def main() -> int:
         measure_worker(a.measure_worker, [int(x) for x in a.sizes.split(",")])
         return 0
     t0 = time.time()
+    if a.slow_node:
+        return mixed_main(a, t0)
     if a.auto:
         rows = json.load(open(a.against))["rows"] if a.against else []
         with tempfile.TemporaryDirectory() as work:

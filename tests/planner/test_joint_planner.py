@@ -9,7 +9,7 @@ import pytest
 
 from amsp.errors import InputError
 from amsp.planner.joint.hetero import from_spec, load_hetero, load_preset
-from amsp.planner.joint.search import INF, _Candidate, plan_joint
+from amsp.planner.joint.search import INF, _Candidate, plan_joint, split_bounds, stage_blocks
 from amsp.planner.joint.stage_cost import Setting
 from amsp.schedule import Precision
 from models.llama import get_preset
@@ -113,3 +113,12 @@ def test_one_stage_memory_is_the_amsp_planners(precision, overlap_spread):
         joint, _ = pricer.memory(cfg.n_layers, True, True, deg, False, 1)
         amsp = model.evaluate(Plan(deg, deg, name="t")).memory_total
         assert joint == pytest.approx(amsp, rel=0.01), (deg, joint, amsp)
+
+
+def test_stage_blocks_inverts_split_bounds():
+    """Blocks per stage <-> unit boundaries (embedding first, head last): what a benchmark hands train.py
+    as parallel.layer_split is the split the planner priced."""
+    for split in ([4], [1, 3], [2, 2], [3, 1], [1, 1, 2], [2, 1, 1, 4]):
+        bounds = split_bounds(split)
+        assert bounds[0] == 0 and bounds[-1] == sum(split) + 2 and len(bounds) == len(split) + 1
+        assert stage_blocks(bounds, sum(split)) == split

@@ -244,7 +244,7 @@ def plan_joint(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, glob
             peak = sum(g.gpus * g.spec.peak_flops for g in cluster.groups)
             plans.append(JointPlan(
                 tp, pp, dp, mbs, B,
-                layer_split=[min(bounds[i + 1], model.n_layers + 1) - max(bounds[i], 1) for i in range(pp)],
+                layer_split=stage_blocks(bounds, model.n_layers),
                 recompute=[c.recompute for c in stages],
                 stage_plans=[(c.degrees.p, c.degrees.g, c.degrees.os) for c in stages],
                 stage_nodes=[p.g.name for p in cand.pricers], schedule="1f1b", step_s=step, terms=terms,
@@ -334,6 +334,11 @@ def split_bounds(layer_split: list[int]) -> list[int]:
     return bounds
 
 
+def stage_blocks(bounds: list[int], n_layers: int) -> list[int]:
+    """Blocks per stage of unit boundaries (split_bounds' inverse)."""
+    return [min(bounds[i + 1], n_layers + 1) - max(bounds[i], 1) for i in range(len(bounds) - 1)]
+
+
 def price_config(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, global_batch: int,
                  precision: Precision, tp: int, pp: int, micro_batch_size: int, degrees,
                  recompute: bool = False, layer_split: list[int] | None = None, efficiency: dict | None = None,
@@ -341,7 +346,8 @@ def price_config(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, gl
                  overlap_slowdown: float | None = None, unit_times: dict | None = None,
                  overlap_spread: bool = False, spread_window: int = 2) -> tuple[float, dict] | None:
     """Predicted step seconds and terms of one named configuration (benchmarks compare it with a run),
-    or None when it does not fit. layer_split: blocks per stage (None: the DP's split)."""
+    or None when it does not fit. layer_split: blocks per stage (None: the DP's split); the terms carry
+    the split priced under "layer_split"."""
     dp = cluster.world // (tp * pp)
     B = global_batch // (dp * micro_batch_size)
     s = Setting(model, seq_len, precision, tp, pp, dp, micro_batch_size, B, efficiency or {}, memory_margin,
@@ -354,4 +360,4 @@ def price_config(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, gl
     else:
         bounds = split_bounds(layer_split)
     res = cand.evaluate(bounds, degrees, recompute)
-    return None if res is None else (res[0], res[2])
+    return None if res is None else (res[0], {**res[2], "layer_split": stage_blocks(bounds, model.n_layers)})
