@@ -4,7 +4,9 @@ decide on rank 0, and swap the engine for the new plan at the next checkpoint.
 After `recheck_steps` steps of this process the run compares the median step time (the process's
 first step left out), the median exposed communication (amsp.collectives' waits) and the peak memory
 with the planner's prediction for the running plan, logs both and the error, refits the cost
-model's constants (amsp/planner/replan.py) and re-solves. The measurements are the largest over the
+model's constants (amsp/planner/replan.py) and re-solves. When the startup did not probe the links,
+the recheck times them first (amsp.planner.recheck_probe): one communication scale fitted to a step
+time keeps the prior's ratio between intra- and inter-node links, which may be what is wrong. The measurements are the largest over the
 ranks (the slowest rank sets the step); rank 0 decides and broadcasts (amsp.control), so every rank
 agrees. With replan=true and a plan the planner chose, a plan predicted >= 5% faster replaces it at
 the next checkpoint: the checkpoint is written, the engine is rebuilt with the new plan and loads
@@ -65,13 +67,14 @@ class Replanner:
             self.recheck()
 
     def recheck(self) -> None:
+        probed = self._probe_links()  # collective, before rank 0 decides
         step_s = rp.window_median(self.step_times)
         exposed_s = rp.window_median(self.exposed)
         peak = max(0, peak_memory_bytes(self.device) - self.baseline_bytes)
         if self.denv.world_size > 1:
             step_s, exposed_s, peak = control.all_reduce_max_floats([step_s, exposed_s, float(peak)])
         measured = rp.Measured(step_s, exposed_s, float(peak), len(self.step_times) - 1)
-        record = self._decide(measured) if self.denv.rank == 0 else None
+        record = self._decide(measured, probed) if self.denv.rank == 0 else None
         if self.denv.world_size > 1:
             record = control.broadcast_object(record, src=0)
         if "error" in record:
@@ -81,15 +84,35 @@ class Replanner:
         if record["switch"]:
             self.pending = record["new_plan_object"]
 
-    def _decide(self, measured: rp.Measured) -> dict:
+    def _probe_links(self):
+        """The collective probe's (points, source) when the links were never measured this run (startup
+        probe off) and amsp.planner.recheck_probe is on; None otherwise. Collective: every rank decides
+        alike from the config and the world size."""
+        from amsp.planner.startup import ranks_per_node
+
+        p = OmegaConf.select(self.cfg, "amsp.planner")
+        if p.probe or not p.recheck_probe or self.user_named or self.denv.world_size < 2:
+            return None
+        from amsp.planner.probe import probe_points, probe_sizes
+        from amsp.topology import Topology
+
+        topo = Topology(self.denv.world_size, ranks_per_node(self.cfg, self.denv.local_world_size))
+        if self.denv.rank == 0:
+            log.info("planner recheck: timing the links (amsp.planner.probe=false at startup; "
+                     "amsp.planner.recheck_probe=true)")
+        return probe_points(topo, self.denv.rank, self.device, pathlib.Path(p.cache_dir) if p.cache_dir else None,
+                            p.probe_cache, probe_sizes(p.probe_max_mib * 2**20), p.probe_budget_s)
+
+    def _decide(self, measured: rp.Measured, probed=None) -> dict:
         try:
-            return self._decide_or_raise(measured)
+            return self._decide_or_raise(measured, probed)
         except Exception as e:  # noqa: BLE001 - reported; the other ranks wait on rank 0's answer, and the run
             # must not die (or hang) of an advisory recheck
             return {"error": f"{type(e).__name__}: {e}"}
 
-    def _decide_or_raise(self, measured: rp.Measured) -> dict:
+    def _decide_or_raise(self, measured: rp.Measured, probed=None) -> dict:
         from amsp.planner.cost_model import CostModel
+        from amsp.planner.probe import apply_points
         from amsp.planner.solve import plan_cluster
         from amsp.startup_memory import planner_inputs
 
@@ -97,6 +120,9 @@ class Replanner:
                                                     getattr(self.planned, "cluster", None),
                                                     getattr(self.planned, "options", None))
         prior = CostModel(workload, cluster, options).evaluate(self.plan)
+        if probed is not None:  # the links as measured now; the refit then scales what is left
+            cluster = apply_points(cluster, *probed)
+            log.info("planner recheck: links measured (%s):\n%s", probed[1], cluster.describe())
         fit = rp.refit(workload, cluster, options, self.plan, measured)
         cluster2, options2 = rp.refitted_inputs(cluster, options, fit)
         current = CostModel(workload, cluster2, options2).evaluate(self.plan)
@@ -122,7 +148,7 @@ class Replanner:
                   "measured": asdict(measured),
                   "predicted_prior": _numbers(prior), "predicted_refit": _numbers(current),
                   "best_refit": _numbers(best), "step_time_error": err_t, "memory_error": err_m,
-                  "refit": asdict(fit)}
+                  "refit": asdict(fit), "links_probed_at_recheck": probed is not None}
         self._write(record)
         return {**record, "new_plan_object": best.plan if switch else None}
 

@@ -155,6 +155,9 @@ class PlannerConfig:
     recheck_steps: int = 20
     # Switch to a plan predicted >= 5% faster at the next checkpoint (only a plan the planner chose).
     replan: bool = False
+    # When the startup did not probe the links (probe=false), the recheck does (probe_budget_s) before it
+    # refits: a step time alone cannot tell a wrong intra-node figure from a wrong inter-node one.
+    recheck_probe: bool = True
 
 
 @dataclass

@@ -1,19 +1,22 @@
 """Re-planning end to end on the emulated cluster (issue 15, item 5): an automatic plan chosen from a
 wrong prior switches to a better one from what the run measures, and the run ends sooner than staying.
 
-Three train.py runs of the same model, batch and seed on 2 emulated nodes x 2 ranks (netns_cluster.py,
+Train.py runs of the same model, batch and seed on 2 emulated nodes x 2 ranks (netns_cluster.py,
 links shaped to --rate), the probe off so the planner starts from the `cpu` preset's alpha-beta figures
 (2 GB/s inter-node: 10x the 1600 Mbit/s = 0.2 GB/s link by default):
-  replan  amsp.plan=auto, amsp.planner.recheck_steps=K, amsp.planner.replan=true: after K steps the
-          run compares measured with predicted, refits and, for a plan predicted >= 5% faster,
-          switches through a checkpoint;
-  stay    the same with replan=false: the recheck reports, the prior's plan trains to the end;
-  named   the prior's plan named by hand (amsp.p/g/os) with replan=true: a plan the user named is
-          never replaced.
-Reported: each run's plans, the switch step, wall time (launch to exit, every startup and the switch's
-checkpoint included), the sum of its step times, the median step before and after the switch, and
-the largest loss difference from the `stay` run (the same batches: the cross-plan tolerance of fp32
-reductions in a different order).
+  replan    amsp.plan=auto, amsp.planner.recheck_steps=K, amsp.planner.replan=true: after K steps the
+            run times the links (amsp.planner.recheck_probe), compares measured with predicted, refits
+            and, for a plan predicted >= 5% faster, switches through a checkpoint;
+  stay      the same with replan=false: the recheck reports, the prior's plan trains to the end;
+  named     (after a switch) the prior's plan named by hand with replan=true: a plan the user named is
+            never replaced;
+  sequence  (after a switch) the replan run's two plans named by hand without a recheck: the first to
+            the switch step, then resumed from its checkpoint with the second.
+Reported: each run's plans, the switch step, wall time (launch to exit, every startup, the recheck's
+probe and the switch's checkpoint included), the sum of its step times, the median step before and
+after the switch, the largest loss difference from the `stay` run (another plan after the switch: fp32
+reductions in another order) and the replan run's largest relative loss difference from `sequence`
+(the cross-plan tolerance, 1e-6 in tests/training/test_continuation.py).
 
     python scripts/bench/replan_emulated.py --json /tmp/rp/emulated.json       # root + iproute2
     python scripts/bench/replan_emulated.py --rate 200mbit --prior-inter-gbs 0.25    # 10x the 0.025 GB/s link
@@ -34,9 +37,10 @@ sys.path.insert(0, HERE)
 
 import netns_cluster as nc  # noqa: E402
 
-BASE = ["model=tiny", "data.seq_len=128", "trainer.global_batch_size=8", "trainer.micro_batch_size=1",
+BASE = ["model=tiny", "trainer.global_batch_size=8", "trainer.micro_batch_size=1",
         "trainer.val_samples=0", "trainer.checkpoint_interval=0", "trainer.log_interval=1",
-        "logging.wandb.mode=disabled", "logging.plot=false", "amsp.planner.probe=false"]
+        "logging.wandb.mode=disabled", "logging.plot=false", "amsp.planner.probe=false",
+        "amsp.planner.probe_cache=false"]  # the recheck measures the links afresh: no earlier run's probe
 
 
 def read_run(run_dir: str) -> dict:
@@ -93,6 +97,9 @@ def summary(runs: dict) -> dict:
                      "median_step_after_s": statistics.median(after) if after else None,
                      "final_loss": r["losses"][steps[-1]] if steps else None,
                      "max_loss_diff_vs_stay": max(abs(r["losses"][s] - ref[s]) for s in common) if common else None}
+    if "sequence" in runs:  # the cross-plan check: the same plan sequence, uninterrupted by a recheck
+        seq, rep = runs["sequence"]["losses"], runs["replan"]["losses"]
+        out["replan"]["max_loss_rel_diff_vs_sequence"] = max(abs(rep[s] - seq[s]) / abs(seq[s]) for s in seq if s in rep)
     return out
 
 
@@ -100,6 +107,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rate", default="1600mbit", help="emulated link rate (tc units)")
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=128, help="shorter: less compute to hide communication behind")
     ap.add_argument("--recheck", type=int, default=4)
     ap.add_argument("--prior-inter-gbs", type=float, help="the prior's inter-node bandwidth (cluster."
                     "inter_bandwidth_gbs; default: the cpu preset's 2 GB/s)")
@@ -111,11 +119,13 @@ def main() -> int:
     problems = nc.check_requirements()
     if problems:
         raise SystemExit("; ".join(problems))
-    common = [f"trainer.max_steps={a.steps}", f"amsp.planner.recheck_steps={a.recheck}"]
+    prior = []
     if a.prior_inter_gbs:
-        common.append(f"cluster.inter_bandwidth_gbs={a.prior_inter_gbs}")
+        prior.append(f"cluster.inter_bandwidth_gbs={a.prior_inter_gbs}")
     if a.prior_intra_gbs:
-        common.append(f"cluster.intra_bandwidth_gbs={a.prior_intra_gbs}")
+        prior.append(f"cluster.intra_bandwidth_gbs={a.prior_intra_gbs}")
+    common = [f"data.seq_len={a.seq_len}", f"trainer.max_steps={a.steps}", f"amsp.planner.recheck_steps={a.recheck}",
+              *prior]
     runs = {}
     t0 = time.time()
     out = a.out or tempfile.mkdtemp(prefix="replan-")
@@ -132,7 +142,17 @@ def main() -> int:
             runs["named"] = launch(cluster, "named", common + named, out, a.timeout)
             print(f"[{time.time() - t0:.0f}s] named: wall {runs['named']['wall_s']:.1f} s, switch at "
                   f"{switch_step(runs['named'])}", file=sys.stderr)
-    result = {"rate": a.rate, "steps": a.steps, "recheck_steps": a.recheck, "prior": common[2:],
+            # the replan run's plan sequence without a recheck: the first plan to the switch step, then
+            # resumed from its final checkpoint with the second (what the replan run's losses must equal)
+            k, fixed = switched[0]["switched_at_step"], [f"data.seq_len={a.seq_len}", "amsp.planner.recheck_steps=0",
+                                                         *prior]
+            first = launch(cluster, "sequence", fixed + [f"trainer.max_steps={k}"] + [
+                f"amsp.{d}={v}" for d, v in switched[0]["from_degrees"].items()], out, a.timeout)
+            runs["sequence"] = launch(cluster, "sequence", fixed + [f"trainer.max_steps={a.steps}"] + [
+                f"amsp.{d}={v}" for d, v in switched[0]["to_degrees"].items()], out, a.timeout)
+            runs["sequence"]["wall_s"] += first["wall_s"]
+            print(f"[{time.time() - t0:.0f}s] sequence: wall {runs['sequence']['wall_s']:.1f} s", file=sys.stderr)
+    result = {"rate": a.rate, "seq_len": a.seq_len, "steps": a.steps, "recheck_steps": a.recheck, "prior": prior,
               "summary": summary(runs),
               "runs": runs, "wall_s": time.time() - t0}
     print(json.dumps(result["summary"], indent=1))

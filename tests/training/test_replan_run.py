@@ -52,3 +52,18 @@ def test_named_plan_is_only_reported(tmp_path):
     record = json.loads((run / "replan.json").read_text())[-1]
     assert not record["switch"] and record["user_named"] and "named by the user" in record["reason"]
     assert "switching" not in proc.stdout
+    assert not record["links_probed_at_recheck"], "a named plan is only reported on: nothing to re-measure"
+
+
+def test_recheck_times_the_links_the_startup_did_not(tmp_path):
+    """probe=false at startup: the recheck measures the links (every rank takes part: the run goes on
+    and ends) and refits from them; with recheck_probe=false it refits from the step time alone."""
+    for probe, want in (("true", True), ("false", False)):
+        run = tmp_path / f"recheck_probe_{probe}"
+        proc = train(run, "trainer.max_steps=4", "amsp.planner.recheck_steps=2", "amsp.planner.replan=false",
+                     f"amsp.planner.recheck_probe={probe}", "amsp.planner.probe_budget_s=0.5",
+                     "amsp.planner.probe_cache=false", *WRONG_PRIOR, nproc=2)
+        record = json.loads((run / "replan.json").read_text())[-1]
+        assert record["links_probed_at_recheck"] is want, record
+        assert ("links measured (probe)" in proc.stdout) is want
+        assert sorted(losses(run)) == [1, 2, 3, 4]
