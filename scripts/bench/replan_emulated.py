@@ -99,7 +99,8 @@ def summary(runs: dict) -> dict:
                      "max_loss_diff_vs_stay": max(abs(r["losses"][s] - ref[s]) for s in common) if common else None}
     if "sequence" in runs:  # the cross-plan check: the same plan sequence, uninterrupted by a recheck
         seq, rep = runs["sequence"]["losses"], runs["replan"]["losses"]
-        out["replan"]["max_loss_rel_diff_vs_sequence"] = max(abs(rep[s] - seq[s]) / abs(seq[s]) for s in seq if s in rep)
+        out["replan"]["max_loss_rel_diff_vs_sequence"] = max(abs(rep[s] - seq[s]) / abs(seq[s])
+                                                             for s in seq if s in rep)
     return out
 
 
