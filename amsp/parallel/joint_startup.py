@@ -65,7 +65,9 @@ def joint_plan_for_run(cfg: DictConfig, denv, device, run_dir: pathlib.Path | No
                                efficiency={spec.name: eff}, top_k=p.top_k, memory_margin=p.memory_margin,
                                reserved_bytes=p.reserved_gib * 2**30, overlap_slowdown=slowdown,
                                unit_times=units, overlap_spread=bool(cfg.amsp.overlap_spread),
-                               spread_window=int(cfg.amsp.spread_window))
+                               spread_window=int(cfg.amsp.spread_window),
+                               optimizer_s_per_elem={spec.name: profile.optimizer_s_per_elem}
+                               if profile is not None and profile.optimizer_s_per_elem is not None else None)
             text = f"joint planner (compute: {source})\n" + format_joint(plans, cluster)
             log.info("%s", text)
             if run_dir is not None:

@@ -29,6 +29,9 @@ class ComputeProfile:
     embedding_s: float  # forward+backward of the embedding (tiny)
     overlap_slowdown: float | None  # compute seconds lost per second of hidden comm; None: preset
     source: str  # "measured on <device>", "cache", "file:..."
+    # one AdamW step (the engine's kernel) per optimizer element, every rank stepping at once; None: the
+    # cluster's memory bandwidth prices it
+    optimizer_s_per_elem: float | None = None
 
 
 # ---- measurement at startup -------------------------------------------------------------------
@@ -36,6 +39,7 @@ class ComputeProfile:
 log = logging.getLogger(__name__)
 
 FIELDS = ("block_forward_s", "block_backward_s", "head_forward_backward_s", "embedding_s")
+OPTIMIZER_ELEMS = 2**22  # 64 MiB of fp32 master, grads and moments: past the caches, as a model's shard is
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -63,7 +67,7 @@ def cache_key(model_cfg, seq_len: int, micro_batch: int, dtype: str, recompute: 
              "heads": model_cfg.n_heads, "kv_heads": model_cfg.n_kv_heads, "vocab": model_cfg.vocab_size,
              "tie": model_cfg.tie_embeddings, "attention": str(model_cfg.attention), "seq": seq_len,
              "mbs": micro_batch, "dtype": dtype, "recompute": recompute, "torch": torch.__version__,
-             "world": world, "backend": backend, "cores_shared": cores_shared}
+             "world": world, "backend": backend, "cores_shared": cores_shared, "optimizer": 1}
     return hashlib.sha1(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -147,6 +151,37 @@ def time_compute(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, dev
     emb_s = median_time(lambda: emb(tokens).backward(grad), device, repeats)
     return {"block_forward_s": fwd, "block_backward_s": bwd,
             "head_forward_backward_s": head_s, "embedding_s": emb_s}, (block, x, cos, sin, grad)
+
+
+def time_optimizer(device, elems: int = OPTIMIZER_ELEMS, repeats: int = 3) -> float:
+    """Seconds per element of one AdamW step on fp32 master weights, with the kernel the engine's
+    ShardedAdamW uses on this device (torch._fused_adamw_, else torch._foreach_*): a memory-bound pass
+    whose rate a preset's memory bandwidth only guesses (on CPU the ranks also share the cores)."""
+    import torch
+
+    from amsp.sharded_optim import fused_adamw_available
+
+    device = torch.device(device)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    p, grad = (torch.randn(elems, generator=g).to(device) for _ in range(2))
+    m, v = torch.zeros(elems, device=device), torch.zeros(elems, device=device)
+    step = torch.zeros((), device=device)
+    if fused_adamw_available(device):
+        def run():
+            torch._fused_adamw_([p], [grad], [m], [v], [], [step], lr=1e-4, beta1=0.9, beta2=0.95,
+                                weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
+    else:
+        def run():  # the foreach path's passes (sharded_optim.ShardedAdamW._foreach)
+            torch._foreach_mul_([p], 1 - 1e-5)
+            torch._foreach_lerp_([m], [grad], 0.1)
+            torch._foreach_mul_([v], 0.95)
+            torch._foreach_addcmul_([v], [grad], [grad], 0.05)
+            denom = torch._foreach_sqrt([v])
+            torch._foreach_add_(denom, 1e-8)
+            torch._foreach_addcdiv_([p], [m], denom, -1e-4)
+    seconds = median_time(run, device, repeats)
+    del p, grad, m, v
+    return seconds / elems
 
 
 def measure_overlap_slowdown(parts, device, comm_bytes: int, repeats: int = 3) -> float:
@@ -234,12 +269,14 @@ def measure_profile(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, 
                  ", then with a concurrent all_reduce" if distributed else "")
     t0 = time.perf_counter()
     times, parts = time_compute(model_cfg, seq_len, micro_batch, dtype_name, device)
+    times["optimizer_s_per_elem"] = time_optimizer(device)  # every rank at once, as the engine's step runs
     slowdown = None
     if distributed:
         block_bytes = sum(p.numel() * p.element_size() for p in parts[0].parameters())
         mine = 1.0 if cores_shared else measure_overlap_slowdown(parts, device, block_bytes)
-        rows = control.all_gather_object([times[f] for f in FIELDS] + [mine])
-        times = {f: statistics.median(r[i] for r in rows) for i, f in enumerate(FIELDS)}
+        fields = list(times)
+        rows = control.all_gather_object([times[f] for f in fields] + [mine])
+        times = {f: statistics.median(r[i] for r in rows) for i, f in enumerate(fields)}
         slowdown = min(1.0, statistics.median(r[-1] for r in rows))
         if cores_shared and rank == 0:
             log.info("compute profile: the ranks share this machine's cores, so hidden communication takes its "
@@ -263,8 +300,10 @@ def measure_profile(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, 
 
 def describe(p: ComputeProfile) -> str:
     slow = "preset" if p.overlap_slowdown is None else f"{p.overlap_slowdown:.3f} s/s"
+    opt = ("" if p.optimizer_s_per_elem is None else
+           f", AdamW step {p.optimizer_s_per_elem * 1e9:.2f} ns/element")
     return (f"block fwd {p.block_forward_s * 1e3:.2f} ms, bwd {p.block_backward_s * 1e3:.2f} ms, head fwd+bwd "
-            f"{p.head_forward_backward_s * 1e3:.2f} ms, embedding {p.embedding_s * 1e3:.2f} ms, overlap "
+            f"{p.head_forward_backward_s * 1e3:.2f} ms, embedding {p.embedding_s * 1e3:.2f} ms{opt}, overlap "
             f"slowdown {slow} ({p.source})")
 
 
@@ -283,6 +322,8 @@ def load_profile(path: str) -> ComputeProfile:
     try:
         return ComputeProfile(**{f: float(data[f]) for f in FIELDS},
                               overlap_slowdown=None if data.get("overlap_slowdown") is None
-                              else float(data["overlap_slowdown"]), source=f"file:{path}")
+                              else float(data["overlap_slowdown"]), source=f"file:{path}",
+                              optimizer_s_per_elem=None if data.get("optimizer_s_per_elem") is None
+                              else float(data["optimizer_s_per_elem"]))
     except (TypeError, ValueError) as e:
         raise InputError(f"--compute-profile {path}: {e}") from e

@@ -32,7 +32,8 @@ M micro-batches (F, B: forward / backward compute of one block; B includes recom
     last micro-batch ("bucket by bucket" under the remaining backward);
   * the parameter spread joins the forward gather's window in the first micro-batch when
     overlap_spread is on, else it is exposed;
-  * the optimizer step over the OS shard is memory-bound and exposed.
+  * the optimizer step over the OS shard is memory-bound and exposed (its rate timed at startup,
+    compute_profile.time_optimizer; else the cluster's memory bandwidth).
 Each unit's exposure depends only on its own degrees and on fixed compute windows, so the step time
 is a constant plus a sum of per-group terms: the ILP optimises exactly this function (contention
 between a boundary unit's traffic and its neighbouring block's is ignored, the one approximation
@@ -226,6 +227,7 @@ class CostModel:
             self.F = w.block_forward_flops() / rate
             self.B = w.block_backward_flops() / rate  # includes full recomputation's extra forward
             self.edge_s = 3 * w.head_forward_flops() / rate  # embedding: no matmul FLOPs
+            self.opt_s_per_elem = None
             self.compute_source = f"FLOPs at {self.o.mfu:.0%} MFU of the {self.c.name} peak"
         else:
             for name in ("block_forward_s", "block_backward_s", "head_forward_backward_s", "embedding_s"):
@@ -234,6 +236,7 @@ class CostModel:
             self.F = prof.block_forward_s
             self.B = prof.block_backward_s + (prof.block_forward_s if w.recompute == "full" else 0.0)
             self.edge_s = prof.head_forward_backward_s + prof.embedding_s
+            self.opt_s_per_elem = prof.optimizer_s_per_elem
             self.compute_source = prof.source
         if w.recompute == "selective":
             self.B += self.selective_recompute_s()
@@ -356,7 +359,10 @@ class CostModel:
         s = padded_numel(self._numel[role], deg)
         # weights that are the master are updated in place: no separate compute-weight write
         weight_write = 0 if self._master_is_weights else self._pb
-        opt = s // deg.os * (ADAM_BYTES_PER_ELEM + weight_write) / (self.c.memory_bandwidth_gbs * 1e9)
+        if self.opt_s_per_elem is not None:  # measured on fp32 masters; a separate weight copy writes more
+            opt = s // deg.os * self.opt_s_per_elem * (ADAM_BYTES_PER_ELEM + weight_write) / ADAM_BYTES_PER_ELEM
+        else:
+            opt = s // deg.os * (ADAM_BYTES_PER_ELEM + weight_write) / (self.c.memory_bandwidth_gbs * 1e9)
         exposed = {"forward": fwd_total, "backward": (m - 1) * bwd(0.0) + bwd_last, "spread": spread_exposed}
         raw = sum(x.seconds * x.count for x in cs.values())
         hidden = max(0.0, raw - sum(exposed.values()))

@@ -15,6 +15,7 @@ the fastest measured. The first 21 configurations are AMSP plans alone (tp = pp 
     python scripts/bench/joint_vs_measured.py --json /tmp/jb/loopback.json --markdown /tmp/jb/loopback.md
     python scripts/bench/joint_vs_measured.py --rate 200mbit --json /tmp/jb/200mbit.json   # needs root + iproute2
     python scripts/bench/joint_vs_measured.py --slow-node 0.5 --json /tmp/jb/mixed.json    # needs root + cgroup v1
+    python scripts/bench/joint_vs_measured.py --amsp-only --rate 1600mbit   # the 21 AMSP plans, also priced by the AMSP planner
 
 --slow-node Q: a mixed cluster (slow_node.py): each emulated node pinned to a core of its own, the second
 slowed to Q of a core. Each node type's units are measured on a layout of that type alone (both nodes
@@ -88,7 +89,14 @@ def run_config(tp, pp, deg, mbs, steps, rate, workdir, split=None, placed=False)
     return statistics.median(r["step_time_s"] for r in recs if r["step"] > 2)
 
 
-def predict(tp, pp, deg, mbs, eff_by_mbs, slowdown, points, cfg_overrides, units) -> float | None:
+def optimizer_rate(got: dict) -> float | None:
+    """The measured AdamW seconds per element (compute_profile.time_optimizer), median over the sizes the
+    worker measured; None from a measurement taken before it was timed."""
+    rates = [v["optimizer_s_per_elem"] for v in got["by_mbs"].values() if v.get("optimizer_s_per_elem")]
+    return statistics.median(rates) if rates else None
+
+
+def predict(tp, pp, deg, mbs, eff_by_mbs, slowdown, points, cfg_overrides, units, opt_rate=None) -> float | None:
     from amsp.plan import Degrees
     from dataclasses import replace
 
@@ -111,8 +119,32 @@ def predict(tp, pp, deg, mbs, eff_by_mbs, slowdown, points, cfg_overrides, units
                        global_batch=int(cfg.trainer.global_batch_size), precision=Precision.named("fp32"), tp=tp,
                        pp=pp, micro_batch_size=mbs, degrees=Degrees(*deg), efficiency={spec.name: eff_by_mbs[mbs]},
                        reserved_bytes=0, overlap_slowdown=slowdown,
-                       unit_times={(spec.name, t, m): v for (t, m), v in units.items()})
+                       unit_times={(spec.name, t, m): v for (t, m), v in units.items()},
+                       optimizer_s_per_elem={spec.name: opt_rate} if opt_rate else None)
     return None if res is None else res[0]
+
+
+def predict_amsp(deg, mbs, got: dict, points, cfg_overrides) -> float:
+    """The AMSP planner's own prediction (amsp/planner/cost_model.py), priced from the inputs train.py's
+    startup gives it (from_config: the cpu preset with the probe merged in, the measured compute profile
+    of this micro-batch size): what `amsp.plan=auto` ranks plans by, apart from the joint planner."""
+    from amsp.plan import Degrees, make_plan
+    from amsp.planner.__main__ import compose_config
+    from amsp.planner.compute_profile import ComputeProfile
+    from amsp.planner.cost_model import CostModel
+    from amsp.planner.from_config import cluster_spec, options_from_config, workload_from_config
+    from amsp.planner.probe import apply_points
+
+    cfg = compose_config([*MODEL, *cfg_overrides, f"trainer.micro_batch_size={mbs}"])
+    spec = apply_points(cluster_spec(cfg, nodes=2, ranks_per_node=RANKS_PER_NODE, local_ranks=RANKS, device="cpu"),
+                        *points)
+    m = got["by_mbs"][str(mbs)] if str(mbs) in got["by_mbs"] else got["by_mbs"][mbs]
+    block, head, emb = m["units"]["1"] if "1" in m["units"] else m["units"][1]
+    prof = ComputeProfile(m["block_forward_s"], block - m["block_forward_s"], head, emb, m["overlap_slowdown"],
+                          "measured by the bench's worker", optimizer_s_per_elem=m.get("optimizer_s_per_elem"))
+    w = workload_from_config(cfg, spec)
+    plan = make_plan("custom", RANKS, RANKS_PER_NODE, blocks=Degrees(*deg))
+    return CostModel(w, spec, options_from_config(cfg, prof)).evaluate(plan).step_time_s
 
 
 def efficiency(mbs: int, block_forward_s: float) -> float:
@@ -155,6 +187,7 @@ def measure_worker(path: str, sizes: list[int]) -> None:
                                cores_shared=cpu_shared_cores(RANKS, threads=1) is not None)
         tp2 = measure_tp_units(model, seq, mbs, "fp32", "cpu", 2, denv.world_size, repeats=5)
         out["by_mbs"][mbs] = {"block_forward_s": prof.block_forward_s, "overlap_slowdown": prof.overlap_slowdown,
+                              "optimizer_s_per_elem": prof.optimizer_s_per_elem,
                               "units": {1: [prof.block_forward_s + prof.block_backward_s,
                                             prof.head_forward_backward_s, prof.embedding_s],
                                         2: [tp2.block_s, tp2.head_s, tp2.embedding_s]}}
@@ -207,6 +240,21 @@ def pricing_inputs(got: dict):
     return eff, units, slowdown, (_from_json(got["points"]), "probe")
 
 
+def amsp_planner_summary(rows: list[dict]) -> dict | None:
+    """The AMSP planner's own predictions (predict_amsp) of the data-parallel rows against the runs."""
+    ok = [r for r in rows if r.get("predicted_amsp_s") and r["measured_s"]]
+    if len(ok) < 3:
+        return None
+    errs = [(r["predicted_amsp_s"] - r["measured_s"]) / r["measured_s"] for r in ok]
+    first = min(ok, key=lambda r: r["predicted_amsp_s"])
+    return {"configs": len(ok), "spearman": spearman([r["predicted_amsp_s"] for r in ok],
+                                                     [r["measured_s"] for r in ok]),
+            "within_20pct": sum(abs(e) <= 0.2 for e in errs), "median_abs_error": statistics.median(map(abs, errs)),
+            "worst_error": max(errs, key=abs),
+            "first_choice": f"{'/'.join(map(str, first['degrees']))} mbs{first['mbs']}",
+            "first_choice_vs_fastest": first["measured_s"] / min(r["measured_s"] for r in ok)}
+
+
 def summarize(rows: list[dict], rate: str | None, got: dict, t0: float, a) -> None:
     eff, units, slowdown, _ = pricing_inputs(got)
     ok = [r for r in rows if r["predicted_s"] and r["measured_s"]]
@@ -226,7 +274,9 @@ def summarize(rows: list[dict], rate: str | None, got: dict, t0: float, a) -> No
                                        for r in dp_only),
                    "first_choice_vs_fastest": min(dp_only, key=lambda r: r["predicted_s"])["measured_s"]
                    / min(r["measured_s"] for r in dp_only) if dp_only else None},
+               "amsp_planner": amsp_planner_summary(dp_only),
                "wall_s": time.time() - t0, "efficiency": eff, "overlap_slowdown": slowdown,
+               "optimizer_s_per_elem": optimizer_rate(got),
                "bandwidth": "probe" + (f" inside the emulated cluster (link {rate})" if rate else ""),
                "units": {f"tp{tp} mbs{m}": t for (tp, m), t in units.items()}}
     print(json.dumps(summary, indent=1))
@@ -234,14 +284,19 @@ def summarize(rows: list[dict], rate: str | None, got: dict, t0: float, a) -> No
         json.dump({"summary": summary, "rows": rows, "measured": got}, open(a.json, "w"), indent=1)
     if a.markdown:
         with open(a.markdown, "a") as f:
-            f.write("| tp | pp | p/g/os | mbs | predicted s | measured s | error |\n|---|---|---|---|---|---|---|\n")
+            f.write("| tp | pp | p/g/os | mbs | predicted s (joint) | AMSP planner s | measured s | error (joint) "
+                    "| error (AMSP) |\n|---|---|---|---|---|---|---|---|---|\n")
+
+            def err(p, m):
+                return f"{(p - m) / m:+.0%}" if p and m else "-"
+
             for r in rows:
-                e = (f"{(r['predicted_s'] - r['measured_s']) / r['measured_s']:+.0%}"
-                     if r["predicted_s"] and r["measured_s"] else "-")
+                amsp = r.get("predicted_amsp_s")
                 pred = f"{r['predicted_s']:.3f}" if r["predicted_s"] else "-"
                 meas = f"{r['measured_s']:.3f}" if r["measured_s"] else "-"
-                f.write(f"| {r['tp']} | {r['pp']} | {'/'.join(map(str, r['degrees']))} | {r['mbs']} | {pred} | {meas} "
-                        f"| {e} |\n")
+                f.write(f"| {r['tp']} | {r['pp']} | {'/'.join(map(str, r['degrees']))} | {r['mbs']} | {pred} "
+                        f"| {f'{amsp:.3f}' if amsp else '-'} | {meas} | {err(r['predicted_s'], r['measured_s'])} "
+                        f"| {err(amsp, r['measured_s'])} |\n")
 
 
 def mixed_cluster(points, quota: float):
@@ -272,12 +327,12 @@ def predict_mixed(tp, pp, deg, mbs, split, cluster, inputs) -> tuple[float, list
     from configs.schema import to_llama_config
 
     cfg = compose_config(MODEL)
-    eff, units, slowdown = inputs
+    eff, units, slowdown, _ = inputs
     res = price_config(to_llama_config(cfg.model), cluster, seq_len=int(cfg.data.seq_len),
                        global_batch=int(cfg.trainer.global_batch_size), precision=Precision.named("fp32"), tp=tp,
                        pp=pp, micro_batch_size=mbs, degrees=Degrees(*deg), layer_split=split,
                        efficiency={g: e[mbs] for g, e in eff.items()}, reserved_bytes=0, overlap_slowdown=slowdown,
-                       unit_times=units)
+                       unit_times=units, optimizer_s_per_elem=inputs[3])
     return None if res is None else (res[0], res[1]["layer_split"])
 
 
@@ -304,7 +359,8 @@ def mixed_main(a, t0: float) -> int:
             eff[g.name] = {m: min(1.0, v / (1.0 if layout == "fast" else a.slow_node)) for m, v in e.items()}
             units.update({(g.name, tp, m): t for (tp, m), t in u.items()})
         slowdown = pricing_inputs(got["fast"])[2]
-        inputs = (eff, units, slowdown)
+        rates = {g.name: optimizer_rate(got[layout]) for layout, g in zip(("fast", "slow"), cluster.groups)}
+        inputs = (eff, units, slowdown, {k: v for k, v in rates.items() if v})
         print(cluster.describe(), "units (block, head, embedding s):", units, file=sys.stderr)
         rows = []
         with tempfile.TemporaryDirectory() as work:
@@ -360,6 +416,7 @@ def main() -> int:
     ap.add_argument("--rate", default=None, help="emulated inter-node link rate (netns_cluster.py), e.g. 200mbit")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--limit", type=int, default=0, help="first N configurations only")
+    ap.add_argument("--amsp-only", action="store_true", help="the 21 data-parallel configurations (AMSP plans) only")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     ap.add_argument("--auto", action="store_true", help="run amsp.plan=auto (DP only) at micro-batch 1 and 2 "
@@ -369,6 +426,8 @@ def main() -> int:
                                                         "with the current cost model (nothing is run)")
     ap.add_argument("--slow-node", type=float, metavar="Q", help="a mixed cluster: node 1 slowed to Q of a core "
                     "(slow_node.py; root, cgroup v1), MIXED_CONFIGS run and priced on it")
+    ap.add_argument("--without-optimizer-rate", action="store_true", help="--reprice: drop the measured AdamW "
+                    "rate (the preset's memory bandwidth prices the optimizer step)")
     ap.add_argument("--measure-worker", metavar="PATH", help=argparse.SUPPRESS)  # internal: one rank's measurement
     ap.add_argument("--sizes", default="1", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -391,14 +450,20 @@ def main() -> int:
     if a.reprice:
         old = json.load(open(a.reprice))
         got, rate = old["measured"], old["summary"]["rate"]
+        if a.without_optimizer_rate:
+            for v in got["by_mbs"].values():
+                v["optimizer_s_per_elem"] = None
         rate = None if rate.startswith("loopback") else rate
         eff, units, slowdown, points = pricing_inputs(got)
         rows = [{**r, "degrees": tuple(r["degrees"]),
                  "predicted_s": predict(r["tp"], r["pp"], tuple(r["degrees"]), r["mbs"], eff, slowdown, points,
-                                        overrides_for(rate), units)} for r in old["rows"]]
+                                        overrides_for(rate), units, optimizer_rate(got)),
+                 "predicted_amsp_s": predict_amsp(tuple(r["degrees"]), r["mbs"], got, points, overrides_for(rate))
+                 if r["tp"] == r["pp"] == 1 else None} for r in old["rows"]]
         summarize(rows, rate, got, t0, a)
         return 0
-    configs = CONFIGS[:a.limit] if a.limit else CONFIGS
+    configs = [c for c in CONFIGS if c[0] == c[1] == 1] if a.amsp_only else CONFIGS
+    configs = configs[:a.limit] if a.limit else configs
     got = measure(sorted({c[3] for c in configs}), a.rate)
     eff, units, slowdown, points = pricing_inputs(got)
     print("compute efficiency by micro-batch size:", {k: round(v, 3) for k, v in eff.items()},
@@ -406,9 +471,11 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for i, (tp, pp, deg, mbs) in enumerate(configs):
-            pred = predict(tp, pp, deg, mbs, eff, slowdown, points, overrides_for(a.rate), units)
+            pred = predict(tp, pp, deg, mbs, eff, slowdown, points, overrides_for(a.rate), units, optimizer_rate(got))
+            amsp = predict_amsp(deg, mbs, got, points, overrides_for(a.rate)) if tp == pp == 1 else None
             meas = run_config(tp, pp, deg, mbs, a.steps, a.rate, work)
-            rows.append({"tp": tp, "pp": pp, "degrees": deg, "mbs": mbs, "predicted_s": pred, "measured_s": meas})
+            rows.append({"tp": tp, "pp": pp, "degrees": deg, "mbs": mbs, "predicted_s": pred, "measured_s": meas,
+                         "predicted_amsp_s": amsp})
             print(f"[{i + 1}/{len(configs)} {time.time() - t0:.0f}s] tp{tp} pp{pp} {deg} mbs{mbs}: predicted "
                   f"{pred if pred is None else round(pred, 4)} measured {meas if meas is None else round(meas, 4)}",
                   file=sys.stderr)

@@ -4,7 +4,7 @@ FSDP2-HSDP, same model / global batch / micro-batches / seed, configurations alt
     python scripts/bench/shootout.py --regime comm-fp32      # 2 nodes x 2 ranks, 100 Mbit/s links
     python scripts/bench/shootout.py --regime comm-bf16      # same, bf16 gradient traffic everywhere
     python scripts/bench/shootout.py --regime compute        # unshaped links
-    python scripts/bench/shootout.py --regime memory         # budget of 12 bytes/param per rank
+    python scripts/bench/shootout.py --regime memory         # model states held to 12 bytes/param per rank
     python scripts/bench/shootout.py --regime comm-fp32 --systems ddp,amsp:auto --rounds 1   # quick look
 
 Prints (and with --markdown appends to a file) one table per regime: median step time, tokens/s,

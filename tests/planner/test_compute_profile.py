@@ -29,10 +29,12 @@ def test_measured_profile_is_sane_and_cached(tmp_path, caplog):
     assert first.source.startswith("measured on ")
     for f in ("block_forward_s", "block_backward_s", "head_forward_backward_s", "embedding_s"):
         assert 0 < getattr(first, f) < 5, (f, first)
+    assert 1e-12 < first.optimizer_s_per_elem < 1e-6, first  # AdamW: a few ns per element on a CPU core
     assert first.overlap_slowdown is None  # one process: nothing concurrent to measure, said so
     assert "a single process has no concurrent communication" in caplog.text
     second = measure_profile(*args)
     assert second.source.startswith("cache") and second.block_forward_s == first.block_forward_s
+    assert second.optimizer_s_per_elem == first.optimizer_s_per_elem
     assert len(list(tmp_path.glob("compute-*.json"))) == 1
     other = measure_profile(_model(cfg), 16, 1, "fp32", "none", "cpu", 1, 0, tmp_path)  # another shape
     assert other.source.startswith("measured") and len(list(tmp_path.glob("compute-*.json"))) == 2
@@ -93,3 +95,26 @@ def test_plan_for_run_measures_compute_and_overlap(tmp_path):
     assert prof.overlap_slowdown is not None and 0 <= prof.overlap_slowdown <= 1  # measured with 2 ranks
     assert again.source.startswith("cache") and again.overlap_slowdown == prof.overlap_slowdown
     assert len(list(tmp_path.glob("compute-*.json"))) == 1
+
+
+def test_measured_optimizer_rate_prices_the_step():
+    """A profile's AdamW rate replaces the cluster's memory bandwidth: the optimizer term is the OS shard's
+    elements times it (fp32 masters: no extra weight write), and it scales with 1/os."""
+    from amsp.plan import Degrees, Plan
+    from amsp.planner.__main__ import compose_config
+    from amsp.planner.cost_model import CostModel, Options
+    from amsp.planner.from_config import cluster_spec, workload_from_config
+
+    cfg = compose_config(["model=debug", "cluster=h100x8", "cluster.nodes=2", "amsp.precision=fp32"])
+    cluster = cluster_spec(cfg)
+    w = workload_from_config(cfg, cluster)
+    rate = 3e-9
+    prof = ComputeProfile(0.01, 0.02, 0.005, 0.001, 0.3, "file:test", optimizer_s_per_elem=rate)
+    model = CostModel(w, cluster, Options(compute=prof))
+    for os_ in (1, 4):
+        cost = model.evaluate(Plan(Degrees(1, 1, os_), Degrees(1, 1, os_)))
+        elems = sum(model.group_cost(g, Degrees(1, 1, os_)).parts["optim"] for g in ("blocks", "embed_head")) / 8
+        assert cost.exposed_s["optimizer"] == pytest.approx(elems * rate, rel=1e-3), os_
+    preset = CostModel(w, cluster, Options(compute=dataclasses.replace(prof, optimizer_s_per_elem=None)))
+    assert preset.evaluate(Plan(Degrees(1, 1, 1), Degrees(1, 1, 1))).exposed_s["optimizer"] != pytest.approx(
+        model.evaluate(Plan(Degrees(1, 1, 1), Degrees(1, 1, 1))).exposed_s["optimizer"])

@@ -72,3 +72,22 @@ def test_cpu_shared_cores(monkeypatch):
     assert cpu_shared_cores(2, threads=1) is None, "a core per rank: nothing shared"
     assert cpu_shared_cores(4, threads=2) == (4, 0.25), "alone, a 2-thread rank uses both cores"
     assert cpu_shared_cores(1, threads=8) is None
+
+
+def test_measured_optimizer_rate_prices_each_node_types_step():
+    """optimizer_s_per_elem (compute_profile.time_optimizer, per node preset) replaces the memory-bandwidth
+    estimate of the optimizer term: the OS shard's elements times the rate, for the node type it names."""
+    cluster = _cluster()
+    name = cluster.groups[0].name
+
+    def optimizer_s(rates, os_):
+        res = price_config(TINY, cluster, seq_len=128, global_batch=16, precision=FP32, tp=1, pp=1,
+                           micro_batch_size=2, degrees=Degrees(1, 1, os_), reserved_bytes=0,
+                           optimizer_s_per_elem=rates)
+        return res[1]["optimizer_s"]
+
+    rate = 5e-9
+    assert optimizer_s({name: rate}, 1) == pytest.approx(TINY.num_params() * rate, rel=0.02)
+    assert optimizer_s({name: rate}, 4) == pytest.approx(optimizer_s({name: rate}, 1) / 4, rel=0.02)
+    assert optimizer_s({"other-node": rate}, 1) == pytest.approx(optimizer_s(None, 1)), "another type's rate"
+    assert optimizer_s(None, 1) != pytest.approx(optimizer_s({name: rate}, 1))

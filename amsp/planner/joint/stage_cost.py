@@ -57,6 +57,9 @@ class Setting:
     # the engine's parameter spread (amsp.overlap_spread, amsp.spread_window): where its buffers peak
     overlap_spread: bool = False
     spread_window: int = 2
+    # node preset name -> seconds of one AdamW step per OS element, measured at startup
+    # (compute_profile.time_optimizer); missing: the node's memory bandwidth prices it
+    optimizer_s_per_elem: dict = field(default_factory=dict)
 
     def workload(self, recompute: str = "none") -> Workload:
         return Workload(self.model, self.seq_len, self.micro_batch_size, self.micro_batches, self.precision,
@@ -232,7 +235,9 @@ class StagePricer:
                 per_mb = n_blocks * mb_b + mb_e + mb_h
                 once = n_blocks * once_b + once_e + once_h
                 params = n_blocks * pb + (pe if embed else 0) + (ph if head else 0)
-                optim = params / deg.os * OPTIM_BYTES_TOUCHED / (self.g.spec.memory_bandwidth_gbs * 1e9)
+                rate = self.s.optimizer_s_per_elem.get(self.g.name)
+                optim = params / deg.os * (rate if rate is not None else
+                                           OPTIM_BYTES_TOUCHED / (self.g.spec.memory_bandwidth_gbs * 1e9))
                 # what the compute cannot hide, plus what hiding the rest costs the compute
                 slowdown = self.s.overlap_slowdown if self.s.overlap_slowdown is not None \
                     else self.g.spec.overlap_slowdown
