@@ -15,7 +15,7 @@ the fastest measured. The first 21 configurations are AMSP plans alone (tp = pp 
     python scripts/bench/joint_vs_measured.py --json /tmp/jb/loopback.json --markdown /tmp/jb/loopback.md
     python scripts/bench/joint_vs_measured.py --rate 200mbit --json /tmp/jb/200mbit.json   # needs root + iproute2
     python scripts/bench/joint_vs_measured.py --slow-node 0.5 --json /tmp/jb/mixed.json    # needs root + cgroup v1
-    python scripts/bench/joint_vs_measured.py --amsp-only --rate 1600mbit   # the 21 AMSP plans, also priced by the AMSP planner
+    python scripts/bench/joint_vs_measured.py --amsp-only --rate 1600mbit   # 21 AMSP plans, AMSP planner prices too
 
 --slow-node Q: a mixed cluster (slow_node.py): each emulated node pinned to a core of its own, the second
 slowed to Q of a core. Each node type's units are measured on a layout of that type alone (both nodes
