@@ -1,18 +1,18 @@
 """Re-planning during training (amsp.planner.recheck_steps, amsp.planner.replan): measure, refit,
 decide on rank 0, and swap the engine for the new plan at the next checkpoint.
 
-After `recheck_steps` steps of this process the run compares the median step time (the process's
-first step left out), the median exposed communication (amsp.collectives' waits) and the peak memory
-with the planner's prediction for the running plan, logs both and the error, refits the cost
-model's constants (amsp/planner/replan.py) and re-solves. When the startup did not probe the links,
-the recheck times them first (amsp.planner.recheck_probe): one communication scale fitted to a step
-time keeps the prior's ratio between intra- and inter-node links, which may be what is wrong.
-The measurements are the largest over the ranks (the slowest rank sets the step); rank 0 decides and
-broadcasts (amsp.control), so every rank agrees. With replan=true and a plan the planner chose, a
-plan predicted >= 5% faster replaces it at the next checkpoint: the checkpoint is written, the engine is rebuilt with the new plan and loads
-it, the same path as a resume (checkpoints reshard across plans). RUN_DIR/replan.json records the
-old and new plans, the predicted and measured numbers and the refit. A plan the user named is
-never replaced: the recheck reports only. One recheck per process: a resumed run rechecks again.
+After `recheck_steps` steps of this process the run compares the median step time (the process's first
+step left out), the median exposed communication (amsp.collectives' waits) and the peak memory with the
+planner's prediction for the running plan, logs both and the error, refits the cost model's constants
+(amsp/planner/replan.py) and re-solves. When the startup did not probe the links, the recheck times them
+first (amsp.planner.recheck_probe): one communication scale fitted to a step time keeps the prior's
+ratio between intra- and inter-node links, which may be what is wrong. The measurements are the largest
+over the ranks (the slowest rank sets the step); rank 0 decides and broadcasts (amsp.control), so every
+rank agrees. With replan=true and a plan the planner chose, a plan predicted >= 5% faster replaces it at
+the next checkpoint: the checkpoint is written, the engine is rebuilt with the new plan and loads it,
+the same path as a resume (checkpoints reshard across plans). RUN_DIR/replan.json records the old and
+new plans, the predicted and measured numbers and the refit. A plan the user named is never replaced:
+the recheck reports only. One recheck per process: a resumed run rechecks again.
 """
 from __future__ import annotations
 
