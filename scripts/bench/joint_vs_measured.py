@@ -279,24 +279,35 @@ def summarize(rows: list[dict], rate: str | None, got: dict, t0: float, a) -> No
                "optimizer_s_per_elem": optimizer_rate(got),
                "bandwidth": "probe" + (f" inside the emulated cluster (link {rate})" if rate else ""),
                "units": {f"tp{tp} mbs{m}": t for (tp, m), t in units.items()}}
+
+    def line(r: dict) -> str:
+        amsp = r.get("predicted_amsp_s")
+        return (f"| {r['tp']} | {r['pp']} | {'/'.join(map(str, r['degrees']))} | {r['mbs']} | {_s(r['predicted_s'])} "
+                f"| {_s(amsp)} | {_s(r['measured_s'])} | {_err(r['predicted_s'], r['measured_s'])} "
+                f"| {_err(amsp, r['measured_s'])} |\n")
+
+    write_results(a, summary, rows, got, "| tp | pp | p/g/os | mbs | predicted s (joint) | AMSP planner s | measured s "
+                  "| error (joint) | error (AMSP) |\n|---|---|---|---|---|---|---|---|---|\n", line)
+
+
+def _s(seconds: float | None) -> str:
+    return f"{seconds:.3f}" if seconds else "-"
+
+
+def _err(predicted: float | None, measured: float | None) -> str:
+    return f"{(predicted - measured) / measured:+.0%}" if predicted and measured else "-"
+
+
+def write_results(a, summary: dict, rows: list[dict], got: dict, header: str, line) -> None:
+    """The summary on stdout; with --json every row and the measurements; with --markdown the table."""
     print(json.dumps(summary, indent=1))
     if a.json:
         json.dump({"summary": summary, "rows": rows, "measured": got}, open(a.json, "w"), indent=1)
     if a.markdown:
         with open(a.markdown, "a") as f:
-            f.write("| tp | pp | p/g/os | mbs | predicted s (joint) | AMSP planner s | measured s | error (joint) "
-                    "| error (AMSP) |\n|---|---|---|---|---|---|---|---|---|\n")
-
-            def err(p, m):
-                return f"{(p - m) / m:+.0%}" if p and m else "-"
-
+            f.write(header)
             for r in rows:
-                amsp = r.get("predicted_amsp_s")
-                pred = f"{r['predicted_s']:.3f}" if r["predicted_s"] else "-"
-                meas = f"{r['measured_s']:.3f}" if r["measured_s"] else "-"
-                f.write(f"| {r['tp']} | {r['pp']} | {'/'.join(map(str, r['degrees']))} | {r['mbs']} | {pred} "
-                        f"| {f'{amsp:.3f}' if amsp else '-'} | {meas} | {err(r['predicted_s'], r['measured_s'])} "
-                        f"| {err(amsp, r['measured_s'])} |\n")
+                f.write(line(r))
 
 
 def mixed_cluster(points, quota: float):
@@ -388,21 +399,14 @@ def mixed_main(a, t0: float) -> int:
                "first_choice_vs_fastest": first["measured_s"] / fastest["measured_s"],
                "efficiency": eff, "units": {f"{k[0]} tp{k[1]} mbs{k[2]}": v for k, v in units.items()},
                "wall_s": time.time() - t0}
-    print(json.dumps(summary, indent=1))
-    if a.json:
-        json.dump({"summary": summary, "rows": rows, "measured": got}, open(a.json, "w"), indent=1)
-    if a.markdown:
-        with open(a.markdown, "a") as f:
-            f.write("| tp | pp | p/g/os | mbs | blocks per stage | predicted s | measured s | error |\n"
-                    "|---|---|---|---|---|---|---|---|\n")
-            for r in rows:
-                e = (f"{(r['predicted_s'] - r['measured_s']) / r['measured_s']:+.0%}"
-                     if r["predicted_s"] and r["measured_s"] else "-")
-                split = f"{'/'.join(map(str, r['split']))} ({r['how']})" if r["split"] else "-"
-                pred = f"{r['predicted_s']:.3f}" if r["predicted_s"] else "-"
-                meas = f"{r['measured_s']:.3f}" if r["measured_s"] else "-"
-                f.write(f"| {r['tp']} | {r['pp']} | {'/'.join(map(str, r['degrees']))} | {r['mbs']} | {split} "
-                        f"| {pred} | {meas} | {e} |\n")
+
+    def line(r: dict) -> str:
+        split = f"{'/'.join(map(str, r['split']))} ({r['how']})" if r["split"] else "-"
+        return (f"| {r['tp']} | {r['pp']} | {'/'.join(map(str, r['degrees']))} | {r['mbs']} | {split} "
+                f"| {_s(r['predicted_s'])} | {_s(r['measured_s'])} | {_err(r['predicted_s'], r['measured_s'])} |\n")
+
+    write_results(a, summary, rows, got, "| tp | pp | p/g/os | mbs | blocks per stage | predicted s | measured s "
+                  "| error |\n|---|---|---|---|---|---|---|---|\n", line)
     return 0
 
 
