@@ -45,7 +45,7 @@ from amsp.resilience import Heartbeat, NaNInjector, PreemptionHandler, SkipGuard
 from amsp.train_state import load_training_state, save_training_state
 from configs.schema import register_configs, to_llama_config
 from configs.validate import validate_config
-from data.loader import MicroBatchLoader, validation_batches
+from data.loader import MicroBatchLoader, validation_batches, validation_rounds
 from data.pipeline import build_data
 from data.resume_check import check_resume, check_vocab_before_load, run_identity
 from models.llama import flops_per_token
@@ -181,6 +181,7 @@ def run(cfg: DictConfig) -> None:
     resolved = OmegaConf.to_yaml(OmegaConf.merge(cfg, {"data": {"tokenizer": str(tokenizer_copy.resolve())}}),
                                  resolve=True)
     train_loader = MicroBatchLoader(data.train, gbs, mbs, dp_rank, dp_world, prefetch=cfg.data.prefetch)
+    check_validation_geometry(data.valid, cfg.trainer.val_samples, mbs, dp_world, announce=denv.is_main)
 
     # The AMSP engine builds the model on the meta device and initialises only this rank's shards;
     # the plan is validated (rules named) before anything is allocated.
@@ -365,6 +366,27 @@ def run(cfg: DictConfig) -> None:
 
 
 @torch.no_grad()
+def check_validation_geometry(valid, val_samples: int, mbs: int, dp_world: int, announce: bool) -> None:
+    """Validation covers whole rounds of micro_batch_size x data-parallel ranks: a request smaller than one
+    round would evaluate nothing and log NaN every time, so it is an input error before the build."""
+    if valid is None or val_samples <= 0:
+        return
+    rounds, per_round = validation_rounds(len(valid), mbs, dp_world, val_samples)
+    if rounds == 0:
+        if len(valid) < per_round:
+            fix = (f"the validation set has {len(valid)} samples: raise data.valid_samples (and "
+                   f"trainer.val_samples) to >= {per_round}, lower the micro-batch size,")
+        else:
+            fix = f"trainer.val_samples={val_samples} is less: set trainer.val_samples >= {per_round}"
+        raise InputError(f"validation runs whole rounds of trainer.micro_batch_size x data-parallel ranks = {mbs} x "
+                         f"{dp_world} = {per_round} samples and {fix} or set trainer.val_samples=0 to skip it")
+    if announce:
+        used = rounds * per_round
+        left = min(val_samples, len(valid)) - used
+        log.info("validation: %d samples per pass (%d rounds of %d)%s", used, rounds, per_round,
+                 f", {left} requested samples left out (not a whole round)" if left else "")
+
+
 def evaluate(engine, batches, device: torch.device) -> float:
     """Mean loss over this rank's validation batches, averaged over ranks (forward only). `engine`: the
     AMSP engine, or a pipeline runner (the losses are on the last stage's ranks)."""

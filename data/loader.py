@@ -108,6 +108,14 @@ class MicroBatchLoader:
         self._start(int(state["consumed_samples"]))
 
 
+def validation_rounds(available: int, micro_batch: int, world: int, num_samples: int | None = None) -> tuple[int, int]:
+    """(rounds, samples per round) a validation pass covers: whole rounds of micro_batch x world samples out
+    of the first num_samples of `available` (validation_batches' geometry)."""
+    total = available if num_samples is None else min(num_samples, available)
+    per_round = micro_batch * world
+    return total // per_round, per_round
+
+
 def validation_batches(source, micro_batch: int, rank: int = 0, world: int = 1,
                        num_samples: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's micro-batches over the first num_samples validation samples (whole batches only).
@@ -115,8 +123,7 @@ def validation_batches(source, micro_batch: int, rank: int = 0, world: int = 1,
     Samples [k*B, (k+1)*B) with B = micro_batch * world form round k; each rank takes its block, so
     the ranks together cover every validation sample once.
     """
-    total = len(source) if num_samples is None else min(num_samples, len(source))
-    per_round = micro_batch * world
-    for start in range(0, total - per_round + 1, per_round):
+    rounds, per_round = validation_rounds(len(source), micro_batch, world, num_samples)
+    for start in range(0, rounds * per_round, per_round):
         block = rank_block(start, per_round, rank, world)
         yield collate([source[i] for i in block])

@@ -138,7 +138,7 @@ def test_allow_resume_changes_entries_are_validated(tmp_path):
     assert not (tmp_path / "v").exists()
 
 
-@pytest.mark.parametrize("case", ["missing_prefix", "garbage_tokenizer", "vocab_mismatch"])
+@pytest.mark.parametrize("case", ["missing_prefix", "garbage_tokenizer", "vocab_mismatch", "val_below_a_round"])
 def test_startup_data_errors_are_one_line(tmp_path, corpus, case):
     run = tmp_path / case
     if case == "missing_prefix":
@@ -151,6 +151,11 @@ def test_startup_data_errors_are_one_line(tmp_path, corpus, case):
         bad.write_bytes(b"\x00\xffnot a sentencepiece model\n" * 10)
         line = one_line_error(train(run, f"data.prefix={corpus['ds_a']}", f"data.tokenizer={bad}", check=False))
         assert line.startswith(f"input error: {bad}: not a sentencepiece model ("), line
+    elif case == "val_below_a_round":  # it would evaluate no sample and log NaN as the validation loss
+        line = one_line_error(train(run, "trainer.val_samples=1", check=False))
+        assert line == ("input error: validation runs whole rounds of trainer.micro_batch_size x data-parallel "
+                        "ranks = 2 x 1 = 2 samples and trainer.val_samples=1 is less: set trainer.val_samples >= 2 "
+                        "or set trainer.val_samples=0 to skip it"), line
     else:
         line = one_line_error(train(run, f"data.prefix={corpus['ds_a']}", f"data.tokenizer={corpus['tok_a']}",
                                     "model.vocab_size=256", check=False))
