@@ -29,7 +29,7 @@ from amsp.init_from import init_weights_from
 from amsp.launch import DistEnv, init_distributed, log_backend_choices
 from amsp.metrics import MetricsLogger, StepTimer, resolve_peak
 from amsp.metrics.logger import drop_rows_after
-from amsp.metrics.plan_config import log_plan
+from amsp.metrics.plan_config import log_plan, log_switch
 from amsp.metrics.plot import plot_run
 from amsp.metrics.wandb_logger import WandbLogger
 from amsp.build import engine_from_config, plan_from_config, topology_from
@@ -332,8 +332,11 @@ def run(cfg: DictConfig) -> None:
                     and step != cfg.trainer.max_steps:
                 save(step)
             if replanner.switch_due(step):  # a plan predicted >= 5% faster: through a checkpoint, as a resume
+                old_plan = engine.plan
                 engine = replanner.switch(engine, step, save, ckpt, build=build_engine,
                                           load=lambda path, e: load_training_state(ckpt, path, e))
+                if engine.plan is not old_plan:
+                    log_switch(wandb_run, engine.plan, old_plan, cfg.amsp.plan, step, replanner.reason)
                 nan_injector = NaNInjector(engine.model, list(cfg.debug.nan_loss_at_steps))
                 runner = pipeline_runner(engine, mesh, denv.rank, cfg.parallel, accum, seq_len, mbs)
             if cfg.trainer.val_interval and step % cfg.trainer.val_interval == 0:

@@ -50,6 +50,7 @@ class Replanner:
         self.exposed: list[float] = []
         self.done = False
         self.pending = None  # the plan to switch to at the next checkpoint
+        self.reason = None  # why (the recheck's decision), for the run config after the switch
 
     @property
     def enabled(self) -> bool:
@@ -83,6 +84,7 @@ class Replanner:
             return
         if record["switch"]:
             self.pending = record["new_plan_object"]
+            self.reason = record["reason"]
 
     def _probe_links(self):
         """The collective probe's (points, source) when the links were never measured this run (startup

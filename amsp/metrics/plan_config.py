@@ -4,7 +4,9 @@ The config entry `chosen_plan` lets runs be filtered and grouped by plan in the 
 chosen, its p/g/os degrees per unit group and, when the partitioner chose it (amsp.plan=auto), what
 it predicted (step time, memory per rank, throughput, MFU) and which cluster figures it used (the
 preset's, or the bandwidth probe's). The partitioner's ranked alternatives go to the table
-`planner/plans` (columns: amsp/planner/report.py), rank 1 being the chosen plan.
+`planner/plans` (columns: amsp/planner/report.py), rank 1 being the chosen plan. When the re-planner
+switches plans mid-run (amsp/replan_switch.py), `chosen_plan` is replaced by the plan trained from then
+on, with the step, the reason and the plan it replaced.
 """
 from __future__ import annotations
 
@@ -51,4 +53,14 @@ def log_plan(sink: WandbLogger, plan: Plan, setting: str, planned: PlanOutcome |
     sink.update_config({"chosen_plan": summary})
     if planned is not None:
         sink.log_table(PLANS_TABLE, planned.columns, planned.rows)
+    return summary
+
+
+def log_switch(sink: WandbLogger, new: Plan, old: Plan, setting: str, step: int, reason: str | None) -> dict[str, Any]:
+    """After a re-planning switch at `step`: `chosen_plan` names the plan the run now trains with, so runs
+    keep grouping by the plan they trained with, and keeps the one it replaced."""
+    replaced = plan_summary(old, setting)
+    summary = {**plan_summary(new, setting), "chosen_by": "replanner", "switched_at_step": step, "reason": reason,
+               "replaced": {k: replaced[k] for k in ("name", "label", *UNIT_GROUPS)}}
+    sink.update_config({"chosen_plan": summary})
     return summary

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from amsp.metrics.plan_config import PLANS_TABLE, log_plan, plan_summary
+from amsp.metrics.plan_config import PLANS_TABLE, log_plan, log_switch, plan_summary
 from amsp.metrics.plot import build_figure, load_run, main as plot_main, run_labels
 from amsp.metrics.wandb_logger import WandbLogger, scrub_secrets
 from amsp.metrics.wandb_offline import read_offline_run
@@ -185,3 +185,13 @@ def test_chosen_plan_and_planner_table_in_offline_wandb_files(tmp_path, monkeypa
     assert run.tables == {}
     with pytest.raises(KeyError, match="no table"):
         run.table(PLANS_TABLE)
+    # The re-planner switched mid-run: the config names the plan trained from then on, and the one before.
+    w = WandbLogger(mode="offline", run_dir=tmp_path / "switched", config={})
+    log_plan(w, auto, "auto", _planned(auto))
+    log_switch(w, by_hand, auto, "auto", 7, "zero3 predicted 12% faster")
+    w.finish()
+    chosen = read_offline_run(tmp_path / "switched", wait_finished_s=60).config["chosen_plan"]
+    assert chosen["chosen_by"] == "replanner" and chosen["name"] == "zero3" and chosen["switched_at_step"] == 7
+    assert chosen["blocks"] == {"p": by_hand.blocks.p, "g": by_hand.blocks.g, "os": by_hand.blocks.os}
+    assert chosen["replaced"]["name"] == "zero2" and chosen["reason"] == "zero3 predicted 12% faster"
+    assert "predicted" not in chosen  # the startup's prediction was for the plan replaced
