@@ -31,7 +31,7 @@ from amsp.schedule import Precision
 from configs.schema import register_configs
 
 from .compute_profile import load_profile
-from .cost_model import CostModel
+from .cost_model import CostModel, overlap_slowdown_of
 from .from_config import (cluster_spec, options_from_config, planner_config, precision_name,
                           refuse_state_budget_for_joint, workload_from_config)
 from .report import NoFeasiblePlan, cluster_json, format_table, plan_cost_json
@@ -55,7 +55,8 @@ def inputs_json(cfg, w, cluster, options, model: CostModel) -> dict:
                 "recompute": w.recompute, "tp": w.tp, "pp": w.pp, "params_per_replica": w.params_per_rank()}
     opts = dataclasses.asdict(options)
     return {"workload": workload, "cluster": cluster_json(cluster), "options": opts,
-            "bandwidth_source": cluster.source, "compute_source": model.compute_source}
+            "bandwidth_source": cluster.source, "compute_source": model.compute_source,
+            "overlap_slowdown": dict(zip(("value", "source"), overlap_slowdown_of(options, cluster)))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +100,7 @@ def _run(mode: str, args) -> int:
     options = options_from_config(cfg, profile)
     p = planner_config(cfg)
     out = (lambda s: None) if args.json else print
-    out(cluster.describe())
+    out(cluster.describe(overlap_slowdown_of(options, cluster)))
     if mode == "simulate":
         r = cluster.ranks_per_node
         rows = simulate(lambda n: workload_from_config(cfg, cluster.with_shape(max(1, n // r), min(r, n))),

@@ -176,11 +176,14 @@ class ClusterSpec:
         """Seconds per ring step at this scope."""
         return self.fallback[scope].latency_s
 
-    def describe(self) -> str:
+    def describe(self, overlap: tuple[float, str] | None = None) -> str:
+        """The cluster's figures, one line and the curves. overlap: (the overlap slowdown priced with, its
+        source) when it is not the preset's (cost_model.overlap_slowdown_of)."""
+        slowdown, source = overlap or (self.overlap_slowdown, "the preset's")
         lines = [f"cluster {self.name}: {self.nodes} node(s) x {self.ranks_per_node} ranks, "
                  f"{self.device_memory_bytes / 2**30:.1f} GiB/device, peak {self.peak_flops / 1e12:.4g} TFLOP/s "
                  f"({self.dtype}), bandwidths from {self.source} (bus GB/s by per-rank chunk; inter = per node), "
-                 f"hidden communication slows compute by {self.overlap_slowdown:.2f} s/s"
+                 f"hidden communication slows compute by {slowdown:.2f} s/s ({source})"
                  + (f"; {self.shared_cores[0]} ranks share a machine's cores (a rank alone computes in "
                     f"{self.shared_cores[1]:.2f}x the time it takes when all are busy)" if self.shared_cores else "")]
         for scope in SCOPES:

@@ -187,6 +187,16 @@ class GroupCost:
     sync_bytes: int = 0  # grad_sync: held at the optimizer step only (not in state_bytes)
 
 
+def overlap_slowdown_of(options: Options, cluster: ClusterSpec) -> tuple[float, str]:
+    """(the overlap slowdown the cost model prices with, where it comes from): the configured value, else
+    the compute profile's measurement, else the cluster preset's figure."""
+    if options.overlap_slowdown is not None:
+        return options.overlap_slowdown, "amsp.planner.overlap_slowdown"
+    if options.compute is not None and options.compute.overlap_slowdown is not None:
+        return options.compute.overlap_slowdown, "measured at startup"
+    return cluster.overlap_slowdown, "the preset's"
+
+
 class CostModel:
     def __init__(self, workload: Workload, cluster: ClusterSpec, options: Options = Options()):
         self.w, self.c, self.o = workload, cluster, options
@@ -202,9 +212,7 @@ class CostModel:
             raise ValueError(f"data-parallel world {self.dp_world} is not a whole number of nodes of "
                              f"{self.dp_per_node} data-parallel ranks")
         self._set_compute(options.compute)
-        self.overlap_slowdown = next(v for v in (options.overlap_slowdown,
-                                                 options.compute and options.compute.overlap_slowdown,
-                                                 cluster.overlap_slowdown) if v is not None)
+        self.overlap_slowdown = overlap_slowdown_of(options, cluster)[0]
         self._pb = workload.precision.param_bytes
         self._optim_b = workload.precision.optim_bytes
         self._master_is_weights = workload.precision.master_is_weights

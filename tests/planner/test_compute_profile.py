@@ -42,7 +42,7 @@ def test_measured_profile_is_sane_and_cached(tmp_path, caplog):
 
 def test_injected_profile_changes_the_prediction(tmp_path, capsys):
     from amsp.planner.__main__ import compose_config, main
-    from amsp.planner.cost_model import CostModel, Options
+    from amsp.planner.cost_model import CostModel, Options, overlap_slowdown_of
     from amsp.planner.from_config import cluster_spec, workload_from_config
     from amsp.plan import make_plan
 
@@ -65,6 +65,14 @@ def test_injected_profile_changes_the_prediction(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["inputs"]["compute_source"] == f"file:{path}"
     assert out["chosen"]["compute_s"] == pytest.approx(expected)
+    # The overlap slowdown priced with, and where it came from, is what the cluster line and the JSON say.
+    assert out["inputs"]["overlap_slowdown"] == {"value": 0.3, "source": "measured at startup"}
+    assert CostModel(w, cluster, Options(compute=prof)).overlap_slowdown == 0.3
+    assert overlap_slowdown_of(Options(), cluster) == (cluster.overlap_slowdown, "the preset's")
+    assert overlap_slowdown_of(Options(compute=prof, overlap_slowdown=0.5), cluster) == \
+        (0.5, "amsp.planner.overlap_slowdown")
+    assert "slows compute by 0.30 s/s (measured at startup)" in cluster.describe((0.3, "measured at startup"))
+    assert f"slows compute by {cluster.overlap_slowdown:.2f} s/s (the preset's)" in cluster.describe()
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"block_forward_s": 1.0}))
     assert main(["--compute-profile", str(bad), "model=debug"]) == 2
