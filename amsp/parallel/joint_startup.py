@@ -91,18 +91,51 @@ def joint_plan_for_run(cfg: DictConfig, denv, device, run_dir: pathlib.Path | No
 
 def measured_tp_units(cfg: DictConfig, model, denv, device) -> dict:
     """{tp: (block, head, embedding) seconds} for every tp the joint planner may pick on this run's nodes,
-    timed on real TP groups (amsp/parallel/tp_profile.py). Collective; {} on one rank."""
+    timed on real TP groups (amsp/parallel/tp_profile.py), or read from the cache a run of the same shape
+    on the same machine and world wrote (beside the compute profile's; amsp.planner.probe_cache=false
+    measures again). Collective; {} on one rank."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    from ..planner.compute_profile import cache_key, default_cache_dir
+    from ..planner.from_config import cpu_shared_cores, machine_ranks, planner_config
     from ..planner.joint.search import tp_candidates
     from ..planner.startup import ranks_per_node, timing_dtype
-    from .tp_profile import measure_tp_units
+    from .tp_profile import TPUnitTimes, measure_tp_units
 
+    p = planner_config(cfg)
+    device = torch.device(device)
     seq, mbs = int(cfg.data.seq_len), int(cfg.trainer.micro_batch_size)
     dtype = timing_dtype(cfg, device)
+    backend = dist.get_backend() if dist.is_initialized() else None
+    shared = device.type == "cpu" and cpu_shared_cores(machine_ranks(denv.local_world_size)) is not None
+    key = cache_key(model, seq, mbs, dtype, "none", device, denv.world_size, backend, shared)
+    cache = pathlib.Path(p.cache_dir) if p.cache_dir else default_cache_dir()  # as the compute profile
     out = {}
     for tp in tp_candidates(model, ranks_per_node(cfg, denv.local_world_size), seq)[1:]:  # tp 1: the profile
-        times = measure_tp_units(model, seq, mbs, dtype, device, tp, denv.world_size)
+        path = cache / f"tp{tp}-{key}.json"  # sequence and loss parallelism on, as the run applies them
+        cached = None
+        if denv.rank == 0 and p.probe_cache and path.exists():
+            try:
+                cached = json.loads(path.read_text())["times"]
+            except (OSError, ValueError, KeyError) as e:
+                log.warning("tensor-parallel profile cache %s unreadable (%s); measuring again", path, e)
+        if denv.world_size > 1:
+            cached = control.broadcast_object(cached, src=0)
+        if cached is not None:
+            times = TPUnitTimes(**cached)
+        else:
+            times = measure_tp_units(model, seq, mbs, dtype, device, tp, denv.world_size)
+            if denv.rank == 0:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps({"key": key, "times": vars(times)}, indent=1))
+                tmp.replace(path)
         if denv.rank == 0:
-            log.info("tensor-parallel profile: %s", times.describe())
+            log.info("tensor-parallel profile%s: %s", f" (cached {path})" if cached is not None else "",
+                     times.describe())
         out[tp] = (times.block_s, times.head_s, times.embedding_s)
     return out
 

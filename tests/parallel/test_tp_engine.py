@@ -115,6 +115,19 @@ def _run(rank: int, world: int, cases: list[dict]) -> list[dict]:
             t = measure_tp_units(model_cfg(), 16, 2, "fp32", "cpu", tp, world, repeats=1)
             out.append({"case": case, "times": (t.block_s, t.head_s, t.embedding_s)})
             continue
+        if case.get("profile_cache"):  # parallel.auto's startup: measured once, then read from its cache
+            from amsp.launch import DistEnv
+            from amsp.parallel.joint_startup import measured_tp_units
+            from amsp.planner.__main__ import compose_config
+            from configs.schema import to_llama_config
+
+            cfg = compose_config(["model=debug", "data.seq_len=16", "trainer.micro_batch_size=2",
+                                  "amsp.ranks_per_node=2", f"amsp.planner.cache_dir={case['profile_cache']}"])
+            denv = DistEnv(rank, world, rank % 2, 2, "test")
+            first = measured_tp_units(cfg, to_llama_config(cfg.model), denv, "cpu")
+            again = measured_tp_units(cfg, to_llama_config(cfg.model), denv, "cpu")
+            out.append({"case": case, "first": first, "again": again})
+            continue
         eng, mesh = _engine(rank, world, {**case, "device_mesh": meshes.get(tp)})
         if case.get("fault"):
             _count_replicated_copies_everywhere(eng)
@@ -165,14 +178,18 @@ def test_tp_dp_equals_single_process(tmp_path):
                   # a format-1 (flattened) checkpoint of a DP run still loads, under another plan
                   {"tp": 1, "sp": False, "blocks": (2, 2, 2), "save_flat": flat_run},
                   {"tp": 1, "sp": False, "blocks": (1, 1, 4), "load": flat_run, "saved_dp": 4}]
-    results = run_distributed(_run, 4, CASES + ckpt_cases, timeout=300)
+    cache = tmp_path / "profile_cache"
+    results = run_distributed(_run, 4, CASES + ckpt_cases + [{"tp": 1, "profile_cache": str(cache)}], timeout=300)
+    (cached,) = [r for r in results[0] if r["case"].get("profile_cache")]
+    assert list(cached["first"]) == [2] and cached["again"] == cached["first"], cached  # tp 2 inside a node of 2
+    assert len(list(cache.glob("tp2-*.json"))) == 1
     profiles = [r["times"] for rank_results in results for r in rank_results if r["case"].get("profile")]
     assert len(profiles) == 4 and all(p == profiles[0] for p in profiles), \
         f"every rank must get the slowest rank's TP unit times: {profiles}"
     assert all(0 < t < 60 for t in profiles[0]), profiles[0]
     for r in results[0]:
         c = r["case"]
-        if c.get("profile"):
+        if c.get("profile") or c.get("profile_cache"):
             continue
         if c.get("fault"):
             assert r["norm_err"] > 1e-5, f"counting replicated copies on every TP rank went unnoticed: {r}"
@@ -180,5 +197,5 @@ def test_tp_dp_equals_single_process(tmp_path):
         assert r["loss_err"] <= 1e-5 and r["norm_err"] <= 1e-5 and r["param_err"] <= 1e-5, r
     for rank_results in results[1:]:  # every rank checked its own shards
         for r in rank_results:
-            if not (r["case"].get("fault") or r["case"].get("profile")):
+            if not (r["case"].get("fault") or r["case"].get("profile") or r["case"].get("profile_cache")):
                 assert r["param_err"] <= 1e-5, r

@@ -30,7 +30,8 @@ def test_parallel_auto_prices_measured_tp_units_and_trains_its_choice(tmp_path):
     TP groups, plans, and the run trains under the chosen (tp, pp) with its plan written down."""
     run = tmp_path / "auto"
     proc = train(run, "trainer.max_steps=3", "trainer.checkpoint_interval=0", "parallel.auto=true",
-                 "amsp.ranks_per_node=2", "amsp.planner.probe_budget_s=1", nproc=4)
+                 "amsp.ranks_per_node=2", "amsp.planner.probe_budget_s=1",
+                 f"amsp.planner.cache_dir={tmp_path / 'cache'}", nproc=4)  # measured here, not read from a cache
     out = proc.stdout + proc.stderr
     assert "bandwidth probe:" in out and "tensor-parallel profile: tp 2:" in out, out[-3000:]
     plan = (run / "plan.txt").read_text()
