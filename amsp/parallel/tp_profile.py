@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TPUnitTimes:
-    """Forward + backward seconds of one micro-batch through each TP-local unit, slowest rank."""
+    """Forward + backward seconds of one micro-batch through each TP-local unit: the slowest rank's, or
+    one rank's own (measure_tp_units' slowest=False)."""
     tp: int
     block_s: float
     head_s: float  # final norm + vocabulary-parallel projection + loss
@@ -38,8 +39,10 @@ class TPUnitTimes:
 
 
 def measure_tp_units(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, device, tp: int, world: int,
-                     sequence_parallel: bool = True, loss_parallel: bool = True, repeats: int = 3) -> TPUnitTimes:
-    """TPUnitTimes of the run's shape at this tp (collective; world % tp == 0)."""
+                     sequence_parallel: bool = True, loss_parallel: bool = True, repeats: int = 3,
+                     slowest: bool = True) -> TPUnitTimes:
+    """TPUnitTimes of the run's shape at this tp (collective; world % tp == 0). slowest=False: this rank's
+    own times instead of the world's slowest (on a mixed cluster each node type keeps its own)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_ctx
 
@@ -97,9 +100,10 @@ def measure_tp_units(model_cfg, seq_len: int, micro_batch: int, dtype_name: str,
 
     control.barrier()  # every TP group starts together, as in training
     times = [median_time(on_data_plane(fn), device, repeats, agree=True) for fn in (block_step, head_step, emb_step)]
-    slowest = control.all_reduce_max_floats(times)
+    if slowest:
+        times = control.all_reduce_max_floats(times)
     del model, block, head, emb, x
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return TPUnitTimes(tp, *slowest)
+    return TPUnitTimes(tp, *times)
 

@@ -18,10 +18,12 @@ the fastest measured. The first 21 configurations are AMSP plans alone (tp = pp 
     python scripts/bench/joint_vs_measured.py --amsp-only --rate 1600mbit   # 21 AMSP plans, AMSP planner prices too
 
 --slow-node Q: a mixed cluster (slow_node.py): each emulated node pinned to a core of its own, the second
-slowed to Q of a core. Each node type's units are measured on a layout of that type alone (both nodes
-fast, both slow) and the probe on the mixed one; the configurations of MIXED_CONFIGS run on the mixed
-layout and are priced on a two-group cluster (amsp/planner/joint/hetero.py), pipelines both with an even
-split and with the split the planner picks for that cluster.
+slowed to Q of a core. Each node type's units are measured twice: by its own node on the mixed layout
+(every rank at once, each node keeping the median of its ranks: what a startup on a mixed cluster would
+measure; the median of --unit-measurements such runs, as a throttled node's timings have outliers) and on a layout of that type alone (both nodes fast, then both slow); the probe on the mixed
+layout. The configurations of MIXED_CONFIGS run on the mixed layout and are priced with either set of
+units on a two-group cluster (amsp/planner/joint/hetero.py), pipelines both with an even split and with
+the split the planner picks for that cluster. --reprice JSON prices an earlier --slow-node run again.
 """
 from __future__ import annotations
 
@@ -162,11 +164,14 @@ def efficiency(mbs: int, block_forward_s: float) -> float:
     return min(1.0, w.block_forward_flops() / (block_forward_s * spec.peak_flops))
 
 
-def measure_worker(path: str, sizes: list[int]) -> None:
+def measure_worker(path: str, sizes: list[int], per_node: bool = False) -> None:
     """Launched on the 4 ranks exactly as the runs are (torchrun, or inside the emulated cluster): what
     train.py's startup measures, for each micro-batch size: one block, the head and the embedding timed
     with the overlap slowdown (compute_profile.py), the tensor-parallel units at tp 2 on real TP groups
-    (amsp/parallel/tp_profile.py); once, the collective probe of the 2 x 2 layout (probe.py)."""
+    (amsp/parallel/tp_profile.py); once, the collective probe of the 2 x 2 layout (probe.py).
+    per_node: the same units, but each node's own (median over its ranks; `by_node`), as a startup on a
+    mixed cluster would keep one profile per node type (compute_profile keeps the median over all ranks,
+    tp_profile the slowest)."""
     import torch
 
     from amsp.launch import init_distributed
@@ -182,7 +187,13 @@ def measure_worker(path: str, sizes: list[int]) -> None:
     cfg = compose_config(MODEL)
     model, seq = to_llama_config(cfg.model), int(cfg.data.seq_len)
     out = {"by_mbs": {}}
+    if per_node:
+        out = {"by_node": {}}
     for mbs in sizes:
+        if per_node:
+            for node, v in node_units(model, seq, mbs, denv.world_size).items():
+                out["by_node"].setdefault(node, {"by_mbs": {}})["by_mbs"][mbs] = v
+            continue
         prof = measure_profile(model, seq, mbs, "fp32", "none", "cpu", denv.world_size, denv.rank, None, False,
                                cores_shared=cpu_shared_cores(RANKS, threads=1) is not None)
         tp2 = measure_tp_units(model, seq, mbs, "fp32", "cpu", 2, denv.world_size, repeats=5)
@@ -202,12 +213,38 @@ def measure_worker(path: str, sizes: list[int]) -> None:
     torch.distributed.destroy_process_group()
 
 
-def measure(sizes: list[int], rate: str | None, placed: bool = False) -> dict:
+def node_units(model, seq: int, mbs: int, world: int) -> dict[int, dict]:
+    """{node: by_mbs entry} of one micro-batch size: every rank times the units at once (the ranks of a
+    node share its core, as in training), each node keeps the median of its own ranks."""
+    from amsp import control
+    from amsp.parallel.tp_profile import measure_tp_units
+    from amsp.planner.compute_profile import time_compute, time_optimizer
+
+    control.barrier()
+    times, parts = time_compute(model, seq, mbs, "fp32", "cpu")
+    del parts
+    opt = time_optimizer("cpu")
+    tp2 = measure_tp_units(model, seq, mbs, "fp32", "cpu", 2, world, repeats=5, slowest=False)
+    mine = [times["block_forward_s"], times["block_forward_s"] + times["block_backward_s"],
+            times["head_forward_backward_s"], times["embedding_s"], opt, tp2.block_s, tp2.head_s, tp2.embedding_s]
+    rows = control.all_gather_object(mine)
+    out = {}
+    for node in range(world // RANKS_PER_NODE):
+        ranks = rows[node * RANKS_PER_NODE:(node + 1) * RANKS_PER_NODE]
+        med = [statistics.median(col) for col in zip(*ranks)]
+        # the node's 2 ranks share one core: hidden communication takes compute's CPU time one for one
+        out[node] = {"block_forward_s": med[0], "overlap_slowdown": 1.0, "optimizer_s_per_elem": med[4],
+                     "units": {1: med[1:4], 2: med[5:8]}, "ranks": ranks}
+    return out
+
+
+def measure(sizes: list[int], rate: str | None, placed: bool = False, per_node: bool = False) -> dict:
     """measure_worker's results, run on the same 4 ranks (and links) as the configurations."""
     with tempfile.TemporaryDirectory() as work:
         path = os.path.join(work, "measured.json")
         cmd = launch_cmd(rate, os.path.abspath(__file__), ["--measure-worker", path, "--sizes",
-                                                           ",".join(map(str, sizes))], placed)
+                                                           ",".join(map(str, sizes)),
+                                                           *(["--per-node"] if per_node else [])], placed)
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
         if proc.returncode != 0 or not os.path.exists(path):
@@ -347,66 +384,114 @@ def predict_mixed(tp, pp, deg, mbs, split, cluster, inputs) -> tuple[float, list
     return None if res is None else (res[0], res[1]["layer_split"])
 
 
-def mixed_main(a, t0: float) -> int:
-    """--slow-node: measure each node type alone, then run and price MIXED_CONFIGS on the mixed layout."""
-    from amsp.parallel.pipeline import split_layers
+def mixed_inputs(got: dict, quota: float, source: str):
+    """(two-group cluster, pricing inputs) of the mixed layout; source "mixed": each node type's units as
+    its own node measured them on the mixed layout (what a startup there would measure), "alone": on a
+    layout of that type alone (both nodes fast, then both slow)."""
     from amsp.planner.probe import _from_json
+
+    cluster = mixed_cluster((_from_json(got["mixed"]["points"]), "probe"), quota)
+    per_type = ([{"by_mbs": got["mixed"]["by_node"][n]["by_mbs"], "points": got["mixed"]["points"]} for n in ("0", "1")]
+                if source == "mixed" else [got["fast"], got["slow"]])
+    eff, units, rates = {}, {}, {}
+    for fast, g, m in zip((True, False), cluster.groups, per_type):
+        e, u, _, _ = pricing_inputs(m)
+        # efficiency() divides by the cpu preset's peak; the slow group's peak is quota x that
+        eff[g.name] = {mbs: min(1.0, v / (1.0 if fast else quota)) for mbs, v in e.items()}
+        units.update({(g.name, tp, mbs): t for (tp, mbs), t in u.items()})
+        rates[g.name] = optimizer_rate(m)
+    slowdown = pricing_inputs(per_type[0])[2]
+    return cluster, (eff, units, slowdown, {k: v for k, v in rates.items() if v})
+
+
+def median_units(runs: list[dict]) -> dict:
+    """Per-node measurements of several runs (measure(per_node=True)) as one: every number the median
+    over the runs; the probe of the first."""
+    def med(values):
+        first = values[0]
+        if isinstance(first, dict):
+            return {k: med([v[k] for v in values]) for k in first if k != "ranks"}
+        if isinstance(first, list):
+            return [med(list(col)) for col in zip(*values)]
+        return statistics.median(values)
+
+    return {"by_node": med([r["by_node"] for r in runs]), "points": runs[0]["points"]}
+
+
+def mixed_summary(rows: list[dict], key: str) -> dict:
+    """Spearman, errors and the first choice of the predictions in rows[*][key]."""
+    ok = [r for r in rows if r[key] and r["measured_s"]]
+    errs = [(r[key] - r["measured_s"]) / r["measured_s"] for r in ok]
+    first, fastest = min(ok, key=lambda r: r[key]), min(ok, key=lambda r: r["measured_s"])
+    return {"priced_and_ran": len(ok), "spearman": spearman([r[key] for r in ok], [r["measured_s"] for r in ok]),
+            "within_20pct": sum(abs(e) <= 0.2 for e in errs), "median_abs_error": statistics.median(map(abs, errs)),
+            "worst_error": max(errs, key=abs),
+            "first_choice": f"tp{first['tp']} pp{first['pp']} {first['degrees']} mbs{first['mbs']} {first['how']}",
+            "first_choice_vs_fastest": first["measured_s"] / fastest["measured_s"]}
+
+
+def mixed_main(a, t0: float) -> int:
+    """--slow-node: measure each node type alone and the mixed layout per node, then run MIXED_CONFIGS on
+    the mixed layout and price them with either set of units (--reprice: price an earlier run again)."""
+    from amsp.parallel.pipeline import split_layers
     from models.llama import get_preset
 
     n_layers = get_preset("tiny").n_layers
     configs = MIXED_CONFIGS[:a.limit] if a.limit else MIXED_CONFIGS
     sizes = sorted({c[3] for c in configs})
-    got = {}
+    old = json.load(open(a.reprice)) if a.reprice else None
+    got, rows = (old["measured"], old["rows"]) if old else ({}, [])
     try:
-        for layout in ("fast", "slow", "mixed"):
+        for layout in () if old else ("fast", "slow", "mixed"):
             slow_node.setup(layout, a.slow_node)
-            got[layout] = measure(sizes, None, placed=True)
+            if layout == "mixed":  # a throttled node's timings have outliers: the median of a few
+                runs = [json.loads(json.dumps(measure(sizes, None, placed=True, per_node=True)))
+                        for _ in range(a.unit_measurements)]
+                got[layout] = {**median_units(runs), "runs": runs}
+            else:
+                got[layout] = json.loads(json.dumps(measure(sizes, None, placed=True)))
             print(f"[{time.time() - t0:.0f}s] measured the {layout} layout", file=sys.stderr)
-        cluster = mixed_cluster((_from_json(got["mixed"]["points"]), "probe"), a.slow_node)
-        eff, units = {}, {}
-        for layout, g in zip(("fast", "slow"), cluster.groups):
-            e, u, _, _ = pricing_inputs(got[layout])
-            # efficiency() divides by the cpu preset's peak; the slow group's peak is quota x that
-            eff[g.name] = {m: min(1.0, v / (1.0 if layout == "fast" else a.slow_node)) for m, v in e.items()}
-            units.update({(g.name, tp, m): t for (tp, m), t in u.items()})
-        slowdown = pricing_inputs(got["fast"])[2]
-        rates = {g.name: optimizer_rate(got[layout]) for layout, g in zip(("fast", "slow"), cluster.groups)}
-        inputs = (eff, units, slowdown, {k: v for k, v in rates.items() if v})
-        print(cluster.describe(), "units (block, head, embedding s):", units, file=sys.stderr)
-        rows = []
+        priced = {src: mixed_inputs(got, a.slow_node, src) for src in ("mixed", "alone")}
+        for src, (cluster, inputs) in priced.items():
+            print(f"units measured {src}:", cluster.describe(), inputs[1], file=sys.stderr)
         with tempfile.TemporaryDirectory() as work:
             for i, (tp, pp, deg, mbs, how) in enumerate(configs):
                 split = None if how == "planned" else [len(x) for x in split_layers(n_layers, pp)]
-                priced = predict_mixed(tp, pp, deg, mbs, split, cluster, inputs)
-                pred, split = (None, split) if priced is None else priced
-                meas = run_config(tp, pp, deg, mbs, a.steps, None, work, split if pp > 1 else None, placed=True)
-                rows.append({"tp": tp, "pp": pp, "degrees": deg, "mbs": mbs, "split": split if pp > 1 else None,
-                             "how": how or "default", "predicted_s": pred, "measured_s": meas})
+                row = {"tp": tp, "pp": pp, "degrees": deg, "mbs": mbs, "how": how or "default"}
+                if old:  # the split that ran
+                    row["split"] = old["rows"][i]["split"]
+                    split = row["split"] or split
+                for src, key in (("mixed", "predicted_s"), ("alone", "predicted_alone_s")):
+                    res = predict_mixed(tp, pp, deg, mbs, split, *priced[src])
+                    row[key] = None if res is None else res[0]
+                    if src == "mixed" and res is not None:
+                        split = res[1]  # the planner's own split (priced with the mixed layout's units)
+                row.setdefault("split", split if pp > 1 else None)
+                row["measured_s"] = (old["rows"][i]["measured_s"] if old else
+                                     run_config(tp, pp, deg, mbs, a.steps, None, work, row["split"], placed=True))
+                rows[i:i + 1] = [row]
                 print(f"[{i + 1}/{len(configs)} {time.time() - t0:.0f}s] tp{tp} pp{pp} {deg} mbs{mbs} split "
-                      f"{split if pp > 1 else '-'} ({how or 'default'}): predicted "
-                      f"{pred if pred is None else round(pred, 4)} measured {meas if meas is None else round(meas, 4)}",
-                      file=sys.stderr)
+                      f"{row['split'] or '-'} ({row['how']}): predicted {_s(row['predicted_s'])} (units alone "
+                      f"{_s(row['predicted_alone_s'])}) measured {_s(row['measured_s'])}", file=sys.stderr)
     finally:
-        slow_node.teardown()
-    ok = [r for r in rows if r["predicted_s"] and r["measured_s"]]
-    errs = [(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in ok]
-    first, fastest = min(ok, key=lambda r: r["predicted_s"]), min(ok, key=lambda r: r["measured_s"])
+        if not old:
+            slow_node.teardown()
     summary = {"layout": f"node 1 at {a.slow_node} of a core, node 0 a full core (2 ranks each)",
-               "configs": len(rows), "priced_and_ran": len(ok),
-               "spearman": spearman([r["predicted_s"] for r in ok], [r["measured_s"] for r in ok]),
-               "within_20pct": sum(abs(e) <= 0.2 for e in errs), "median_abs_error": statistics.median(map(abs, errs)),
-               "first_choice": f"tp{first['tp']} pp{first['pp']} {first['degrees']} mbs{first['mbs']} {first['how']}",
-               "first_choice_vs_fastest": first["measured_s"] / fastest["measured_s"],
-               "efficiency": eff, "units": {f"{k[0]} tp{k[1]} mbs{k[2]}": v for k, v in units.items()},
-               "wall_s": time.time() - t0}
+               "quota": a.slow_node, "configs": len(rows),
+               "units_measured_on_the_mixed_layout": mixed_summary(rows, "predicted_s"),
+               "units_measured_alone": mixed_summary(rows, "predicted_alone_s"),
+               "units": {src: {f"{k[0]} tp{k[1]} mbs{k[2]}": v for k, v in inputs[1].items()}
+                         for src, (_, inputs) in priced.items()}, "wall_s": time.time() - t0}
 
     def line(r: dict) -> str:
         split = f"{'/'.join(map(str, r['split']))} ({r['how']})" if r["split"] else "-"
         return (f"| {r['tp']} | {r['pp']} | {'/'.join(map(str, r['degrees']))} | {r['mbs']} | {split} "
-                f"| {_s(r['predicted_s'])} | {_s(r['measured_s'])} | {_err(r['predicted_s'], r['measured_s'])} |\n")
+                f"| {_s(r['predicted_s'])} | {_err(r['predicted_s'], r['measured_s'])} | {_s(r['predicted_alone_s'])} "
+                f"| {_err(r['predicted_alone_s'], r['measured_s'])} | {_s(r['measured_s'])} |\n")
 
-    write_results(a, summary, rows, got, "| tp | pp | p/g/os | mbs | blocks per stage | predicted s | measured s "
-                  "| error |\n|---|---|---|---|---|---|---|---|\n", line)
+    write_results(a, summary, rows, got, "| tp | pp | p/g/os | mbs | blocks per stage | predicted s (units on "
+                  "the mixed layout) | error | predicted s (units alone) | error | measured s |\n"
+                  "|---|---|---|---|---|---|---|---|---|---|\n", line)
     return 0
 
 
@@ -430,15 +515,20 @@ def main() -> int:
                                                         "with the current cost model (nothing is run)")
     ap.add_argument("--slow-node", type=float, metavar="Q", help="a mixed cluster: node 1 slowed to Q of a core "
                     "(slow_node.py; root, cgroup v1), MIXED_CONFIGS run and priced on it")
+    ap.add_argument("--unit-measurements", type=int, default=3, metavar="N", help="--slow-node: measure the "
+                    "mixed layout's per-node units N times and price with the median")
     ap.add_argument("--without-optimizer-rate", action="store_true", help="--reprice: drop the measured AdamW "
                     "rate (the preset's memory bandwidth prices the optimizer step)")
     ap.add_argument("--measure-worker", metavar="PATH", help=argparse.SUPPRESS)  # internal: one rank's measurement
     ap.add_argument("--sizes", default="1", help=argparse.SUPPRESS)
+    ap.add_argument("--per-node", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.measure_worker:
-        measure_worker(a.measure_worker, [int(x) for x in a.sizes.split(",")])
+        measure_worker(a.measure_worker, [int(x) for x in a.sizes.split(",")], a.per_node)
         return 0
     t0 = time.time()
+    if a.reprice and "quota" in json.load(open(a.reprice))["summary"]:  # an earlier --slow-node run
+        a.slow_node = json.load(open(a.reprice))["summary"]["quota"]
     if a.slow_node:
         return mixed_main(a, t0)
     if a.auto:
