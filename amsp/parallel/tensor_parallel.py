@@ -2,7 +2,9 @@
 torch.distributed.tensor.parallel (Megatron's layout, torchtitan's pattern):
 
   tok_embeddings   vocabulary-parallel (rows of the table split; lookups masked, partial sums
-                   reduce-scattered over the sequence when sequence-parallel)
+                   reduce-scattered over the sequence when sequence-parallel). Our own style
+                   (VocabParallelEmbedding) rather than RowwiseParallel: DTensor's embedding backward
+                   has no row-sharded rule and builds the full vocab x dim gradient on every TP rank
   attention_norm,  sequence-parallel: each TP rank normalises its slice of the positions, the weight
   ffn_norm,        is replicated (its gradient is summed over the TP group)
   head.norm
@@ -19,8 +21,12 @@ the data-parallel group (amsp/parallel/tp_slices.py maps them back to the full t
 from __future__ import annotations
 
 import logging
+import types
 
+import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..errors import InputError
 
@@ -52,7 +58,7 @@ def parallelize_llama(model: nn.Module, tp_mesh, *, sequence_parallel: bool = Tr
     check_divisible(cfg, tp, seq_len, sequence_parallel)
     _use_unfused_where_sharded(model, sequence_parallel)
     stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream between blocks
-    top = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)}
+    top = {"tok_embeddings": VocabParallelEmbedding(output_layout=stream)}
     if sequence_parallel:
         top["head.norm"] = SequenceParallel()
     if model.head.output is not None:
@@ -85,6 +91,50 @@ def parallelize_llama(model: nn.Module, tp_mesh, *, sequence_parallel: bool = Tr
     if model.head.output is None and not loss_parallel:
         raise InputError("tied embeddings with parallel.tp > 1 need parallel.loss_parallel=true (the tied head's "
                          "logits are vocabulary-sharded)")
+
+
+class VocabParallelEmbedding(ParallelStyle):
+    """An nn.Embedding whose table's rows are split over the TP ranks (a Shard(0) DTensor parameter, as
+    RowwiseParallel makes it), computed on the local rows as Megatron's VocabParallelEmbedding does:
+    each rank looks up the tokens it owns (the others masked to zero), the partial sums are
+    reduce-scattered over the sequence (output_layout Shard(1)) or all-reduced (Replicate), and the
+    backward all-gathers the output gradient and accumulates it into the local rows only.
+
+    Why not RowwiseParallel: torch's embedding-backward sharding rules (2.13) have no row-sharded case,
+    so the weight gradient comes back as a full vocab x dim tensor on every TP rank (Partial, then
+    Replicate) and is cut to the rank's rows afterwards: tp times the gradient's memory and work. On a
+    ~100M-parameter model at tp 2 x pp 2 that transient was the first pipeline stage's peak (BENCHMARKS.md,
+    joint memory model)."""
+
+    def __init__(self, output_layout):
+        super().__init__()
+        self.output_layout = output_layout
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        if not isinstance(module, nn.Embedding) or module.padding_idx is not None or module.max_norm is not None:
+            raise TypeError(f"VocabParallelEmbedding takes a plain nn.Embedding, got {module!r}")
+        weight = distribute_tensor(module.weight.detach(), device_mesh, [Shard(0)])
+        module.weight = nn.Parameter(weight, requires_grad=module.weight.requires_grad)
+        module.forward = types.MethodType(_vocab_parallel_forward(device_mesh, self.output_layout), module)
+        return module
+
+
+def _vocab_parallel_forward(mesh, output_layout):
+    """The forward VocabParallelEmbedding installs: local rows, masked lookup, partial sums redistributed."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    def forward(module: nn.Embedding, tokens: torch.Tensor) -> torch.Tensor:
+        local = module.weight.to_local()  # differentiable: the gradient comes back as the local rows
+        rows = local.shape[0]  # check_divisible: the vocabulary splits evenly
+        ids = tokens - mesh.get_local_rank() * rows
+        outside = (ids < 0) | (ids >= rows)
+        out = F.embedding(ids.masked_fill(outside, 0), local).masked_fill(outside.unsqueeze(-1), 0.0)
+        summed = DTensor.from_local(out, mesh, [Partial()], run_check=False)
+        return summed.redistribute(mesh, [output_layout]).to_local()
+
+    return forward
 
 
 def _use_unfused_where_sharded(model: nn.Module, sequence_parallel: bool) -> None:

@@ -115,6 +115,22 @@ def _run(rank: int, world: int, cases: list[dict]) -> list[dict]:
             t = measure_tp_units(model_cfg(), 16, 2, "fp32", "cpu", tp, world, repeats=1)
             out.append({"case": case, "times": (t.block_s, t.head_s, t.embedding_s)})
             continue
+        if case.get("embedding_grad"):  # the vocabulary-parallel table's gradient: this rank's rows only
+            from amsp.parallel.tensor_parallel import parallelize_llama
+            from amsp.routing_check import data_plane
+            from models.llama.model import Llama
+
+            with torch.device("meta"):
+                model = Llama(model_cfg())
+            parallelize_llama(model, meshes[tp]["tp"], sequence_parallel=True, loss_parallel=True, seq_len=16)
+            model.to_empty(device="cpu")
+            seen = {}
+            model.tok_embeddings.weight.register_post_accumulate_grad_hook(
+                lambda p: seen.update(placements=str(p.grad.placements), shape=tuple(p.grad.to_local().shape)))
+            with data_plane():
+                model.tok_embeddings(torch.randint(0, model_cfg().vocab_size, (2, 16))).sum().backward()
+            out.append({"case": case, **seen})
+            continue
         if case.get("profile_cache"):  # parallel.auto's startup: measured once, then read from its cache
             from amsp.launch import DistEnv
             from amsp.parallel.joint_startup import measured_tp_units
@@ -165,6 +181,7 @@ CASES = [
     {"tp": 2, "sp": True, "blocks": (1, 1, 2)},  # zero1
     {"tp": 2, "sp": True, "blocks": (2, 2, 2), "fault": True},
     {"tp": 2, "profile": True},
+    {"tp": 2, "embedding_grad": True},
 ]
 
 
@@ -180,6 +197,9 @@ def test_tp_dp_equals_single_process(tmp_path):
                   {"tp": 1, "sp": False, "blocks": (1, 1, 4), "load": flat_run, "saved_dp": 4}]
     cache = tmp_path / "profile_cache"
     results = run_distributed(_run, 4, CASES + ckpt_cases + [{"tp": 1, "profile_cache": str(cache)}], timeout=300)
+    (emb,) = [r for r in results[0] if r["case"].get("embedding_grad")]
+    cfg = model_cfg()  # not the full vocab x dim table on every TP rank (DTensor's own embedding backward)
+    assert emb["placements"] == "(Shard(dim=0),)" and emb["shape"] == (cfg.vocab_size // 2, cfg.dim), emb
     (cached,) = [r for r in results[0] if r["case"].get("profile_cache")]
     assert list(cached["first"]) == [2] and cached["again"] == cached["first"], cached  # tp 2 inside a node of 2
     assert len(list(cache.glob("tp2-*.json"))) == 1
@@ -189,7 +209,7 @@ def test_tp_dp_equals_single_process(tmp_path):
     assert all(0 < t < 60 for t in profiles[0]), profiles[0]
     for r in results[0]:
         c = r["case"]
-        if c.get("profile") or c.get("profile_cache"):
+        if c.get("profile") or c.get("profile_cache") or c.get("embedding_grad"):
             continue
         if c.get("fault"):
             assert r["norm_err"] > 1e-5, f"counting replicated copies on every TP rank went unnoticed: {r}"
@@ -197,5 +217,5 @@ def test_tp_dp_equals_single_process(tmp_path):
         assert r["loss_err"] <= 1e-5 and r["norm_err"] <= 1e-5 and r["param_err"] <= 1e-5, r
     for rank_results in results[1:]:  # every rank checked its own shards
         for r in rank_results:
-            if not (r["case"].get("fault") or r["case"].get("profile") or r["case"].get("profile_cache")):
+            if not any(r["case"].get(k) for k in ("fault", "profile", "profile_cache", "embedding_grad")):
                 assert r["param_err"] <= 1e-5, r
