@@ -103,7 +103,7 @@ def measured_tp_units(cfg: DictConfig, model, denv, device) -> dict:
     from ..planner.from_config import cpu_shared_cores, machine_ranks, planner_config
     from ..planner.joint.search import tp_candidates
     from ..planner.startup import ranks_per_node, timing_dtype
-    from .tp_profile import TPUnitTimes, measure_tp_units
+    from .tp_profile import TP_PROFILE_VERSION, TPUnitTimes, measure_tp_units
 
     p = planner_config(cfg)
     device = torch.device(device)
@@ -115,7 +115,8 @@ def measured_tp_units(cfg: DictConfig, model, denv, device) -> dict:
     cache = pathlib.Path(p.cache_dir) if p.cache_dir else default_cache_dir()  # as the compute profile
     out = {}
     for tp in tp_candidates(model, ranks_per_node(cfg, denv.local_world_size), seq)[1:]:  # tp 1: the profile
-        path = cache / f"tp{tp}-{key}.json"  # sequence and loss parallelism on, as the run applies them
+        # sequence and loss parallelism on, as the run applies them
+        path = cache / f"tp{tp}-v{TP_PROFILE_VERSION}-{key}.json"
         cached = None
         if denv.rank == 0 and p.probe_cache and path.exists():
             try:

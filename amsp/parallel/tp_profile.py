@@ -22,6 +22,9 @@ from dataclasses import dataclass, replace
 import torch
 
 log = logging.getLogger(__name__)
+# Part of the cache key of measured TP units (amsp/parallel/joint_startup.py): bumped whenever the TP
+# layout's implementation changes what they measure (2: VocabParallelEmbedding's local-rows backward).
+TP_PROFILE_VERSION = 2
 
 
 @dataclass(frozen=True)
