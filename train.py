@@ -368,7 +368,6 @@ def run(cfg: DictConfig) -> None:
         preemption.hand_over(signum)
 
 
-@torch.no_grad()
 def check_validation_geometry(valid, val_samples: int, mbs: int, dp_world: int, announce: bool) -> None:
     """Validation covers whole rounds of micro_batch_size x data-parallel ranks: a request smaller than one
     round would evaluate nothing and log NaN every time, so it is an input error before the build."""
@@ -390,6 +389,7 @@ def check_validation_geometry(valid, val_samples: int, mbs: int, dp_world: int, 
                  f", {left} requested samples left out (not a whole round)" if left else "")
 
 
+@torch.no_grad()
 def evaluate(engine, batches, device: torch.device) -> float:
     """Mean loss over this rank's validation batches, averaged over ranks (forward only). `engine`: the
     AMSP engine, or a pipeline runner (the losses are on the last stage's ranks)."""

@@ -42,3 +42,21 @@ def test_short_run_loss_falls_and_config_is_saved(tmp_path):
     assert len(ls) == 4 and ls[-1] < ls[0] - 0.5, ls
     saved = (tmp_path / "e2e" / "config.yaml").read_text()
     assert "max_steps: 40" in saved
+
+
+def test_validation_runs_without_autograd():
+    """evaluate() must not build graphs (the engine's forward registers backward hooks when grad is on)."""
+    import torch
+
+    from train import evaluate
+
+    class Engine:
+        seen = []
+
+        def evaluate(self, x, y):
+            self.seen.append(torch.is_grad_enabled())
+            return torch.tensor(2.0)
+
+    eng = Engine()
+    assert evaluate(eng, [(torch.zeros(1), torch.zeros(1))] * 2, torch.device("cpu")) == 2.0
+    assert eng.seen == [False, False]
