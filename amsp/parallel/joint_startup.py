@@ -94,15 +94,14 @@ def measured_tp_units(cfg: DictConfig, model, denv, device) -> dict:
     timed on real TP groups (amsp/parallel/tp_profile.py), or read from the cache a run of the same shape
     on the same machine and world wrote (beside the compute profile's; amsp.planner.probe_cache=false
     measures again). Collective; {} on one rank."""
-    import json
-
     import torch
     import torch.distributed as dist
 
+    from ..planner.cache_file import read_shared, write_atomic
     from ..planner.compute_profile import cache_key, default_cache_dir
-    from ..planner.from_config import cpu_shared_cores, machine_ranks, planner_config
+    from ..planner.from_config import planner_config
     from ..planner.joint.search import tp_candidates
-    from ..planner.startup import ranks_per_node, timing_dtype
+    from ..planner.startup import cores_shared, ranks_per_node, timing_dtype
     from .tp_profile import TP_PROFILE_VERSION, TPUnitTimes, measure_tp_units
 
     p = planner_config(cfg)
@@ -110,30 +109,19 @@ def measured_tp_units(cfg: DictConfig, model, denv, device) -> dict:
     seq, mbs = int(cfg.data.seq_len), int(cfg.trainer.micro_batch_size)
     dtype = timing_dtype(cfg, device)
     backend = dist.get_backend() if dist.is_initialized() else None
-    shared = device.type == "cpu" and cpu_shared_cores(machine_ranks(denv.local_world_size)) is not None
-    key = cache_key(model, seq, mbs, dtype, "none", device, denv.world_size, backend, shared)
+    key = cache_key(model, seq, mbs, dtype, "none", device, denv.world_size, backend, cores_shared(device, denv))
     cache = pathlib.Path(p.cache_dir) if p.cache_dir else default_cache_dir()  # as the compute profile
     out = {}
     for tp in tp_candidates(model, ranks_per_node(cfg, denv.local_world_size), seq)[1:]:  # tp 1: the profile
         # sequence and loss parallelism on, as the run applies them
         path = cache / f"tp{tp}-v{TP_PROFILE_VERSION}-{key}.json"
-        cached = None
-        if denv.rank == 0 and p.probe_cache and path.exists():
-            try:
-                cached = json.loads(path.read_text())["times"]
-            except (OSError, ValueError, KeyError) as e:
-                log.warning("tensor-parallel profile cache %s unreadable (%s); measuring again", path, e)
-        if denv.world_size > 1:
-            cached = control.broadcast_object(cached, src=0)
+        cached = read_shared(path, "times", p.probe_cache, denv.rank, denv.world_size > 1, "tensor-parallel profile")
         if cached is not None:
             times = TPUnitTimes(**cached)
         else:
             times = measure_tp_units(model, seq, mbs, dtype, device, tp, denv.world_size)
             if denv.rank == 0:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(".tmp")
-                tmp.write_text(json.dumps({"key": key, "times": vars(times)}, indent=1))
-                tmp.replace(path)
+                write_atomic(path, {"key": key, "times": vars(times)})
         if denv.rank == 0:
             log.info("tensor-parallel profile%s: %s", f" (cached {path})" if cached is not None else "",
                      times.describe())

@@ -244,19 +244,14 @@ def measure_profile(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, 
 
     from amsp import control
 
+    from .cache_file import read_shared, write_atomic
+
     device = torch.device(device)
     distributed = world > 1 and dist.is_initialized()
     backend = dist.get_backend() if distributed else None
     key = cache_key(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, world, backend, cores_shared)
     path = (cache_dir or default_cache_dir()) / f"compute-{key}.json"
-    cached = None
-    if rank == 0 and use_cache and path.exists():
-        try:
-            cached = json.loads(path.read_text())["profile"]
-        except (OSError, ValueError, KeyError) as e:
-            log.warning("compute profile cache %s unreadable (%s); measuring again", path, e)
-    if distributed:
-        cached = control.broadcast_object(cached, src=0)
+    cached = read_shared(path, "profile", use_cache, rank, distributed, "compute profile")
     if cached is not None:
         prof = ComputeProfile(**{**cached, "source": f"cache ({cached['source']})"})
         if rank == 0:
@@ -291,10 +286,7 @@ def measure_profile(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, 
     prof = ComputeProfile(**times, overlap_slowdown=slowdown, source=f"measured on {device_name(device)}")
     if rank == 0:
         log.info("compute profile (%.2f s to measure): %s", time.perf_counter() - t0, describe(prof))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": key, "profile": asdict(prof)}, indent=1))
-        tmp.replace(path)
+        write_atomic(path, {"key": key, "profile": asdict(prof)})
     return prof
 
 

@@ -47,6 +47,7 @@ from amsp import control
 from amsp.routing_check import data_plane
 from amsp.topology import Topology
 
+from .cache_file import read_shared, write_atomic
 from .cluster import KINDS, SCOPES, BandwidthCurve, ClusterSpec, format_size, ring_factor
 
 log = logging.getLogger(__name__)
@@ -205,15 +206,9 @@ def probe_points(topo: Topology, rank: int, device: torch.device, cache_dir: pat
     hosts = control.all_gather_object(network_identity())
     key = cache_key(topo, hosts, backend, device, sizes, budget_s)
     path = (cache_dir or default_cache_dir()) / f"probe-{key}.json"
-    box = [None]
-    if rank == 0 and use_cache and path.exists():
-        try:
-            box[0] = json.loads(path.read_text())["points"]
-        except (OSError, ValueError, KeyError) as e:
-            log.warning("probe cache %s unreadable (%s); probing again", path, e)
-    box[0] = control.broadcast_object(box[0], src=0)
-    if box[0] is not None:
-        points, source = _from_json(box[0]), "cache"
+    cached = read_shared(path, "points", use_cache, rank, True, "probe")
+    if cached is not None:
+        points, source = _from_json(cached), "cache"
         if rank == 0:
             log.info("bandwidth probe: cached result %s for %d ranks x %d per node", path, topo.world,
                      topo.ranks_per_node)
@@ -223,12 +218,9 @@ def probe_points(topo: Topology, rank: int, device: torch.device, cache_dir: pat
         if rank == 0:
             log.info("bandwidth probe: %d ranks (%d per node, %d node(s)) over %s in %.2f s", topo.world,
                      topo.ranks_per_node, topo.nodes, backend, time.perf_counter() - t0)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"key": key, "hosts": sorted(set(hosts)), "world": topo.world,
-                                       "ranks_per_node": topo.ranks_per_node, "backend": backend,
-                                       "points": _to_json(points)}, indent=1))
-            tmp.replace(path)
+            write_atomic(path, {"key": key, "hosts": sorted(set(hosts)), "world": topo.world,
+                                "ranks_per_node": topo.ranks_per_node, "backend": backend,
+                                "points": _to_json(points)})
     if rank == 0:
         log.info("measured collective bandwidths (bus GB/s by per-rank chunk; inter = per node):\n%s%s",
                  format_points(points), nic_sharing(points))

@@ -113,6 +113,11 @@ def timing_dtype(cfg: DictConfig, device: torch.device) -> str:
     return a if a != "auto" else t if t != "auto" else "bf16" if device.type == "cuda" else "fp32"
 
 
+def cores_shared(device: torch.device, denv) -> bool:
+    """Whether this machine's ranks oversubscribe its CPU cores (part of the timing caches' keys)."""
+    return device.type == "cpu" and cpu_shared_cores(machine_ranks(denv.local_world_size)) is not None
+
+
 def measured_compute(cfg: DictConfig, denv, device: torch.device) -> ComputeProfile:
     """The run's compute profile (compute_profile.py), measured on every rank or read from the cache.
     Collective when the world has several ranks."""
@@ -121,10 +126,9 @@ def measured_compute(cfg: DictConfig, denv, device: torch.device) -> ComputeProf
     p = planner_config(cfg)
     model = to_llama_config(cfg.model)
     cache = pathlib.Path(p.cache_dir) if p.cache_dir else None  # next to the probe's files
-    shared = device.type == "cpu" and cpu_shared_cores(machine_ranks(denv.local_world_size)) is not None
     return measure_profile(model, cfg.data.seq_len, cfg.trainer.micro_batch_size, timing_dtype(cfg, device),
                            model.activation_checkpointing, device, denv.world_size, denv.rank, cache,
-                           p.probe_cache, p.overlap_slowdown, cores_shared=shared)
+                           p.probe_cache, p.overlap_slowdown, cores_shared=cores_shared(device, denv))
 
 
 def _solve(cfg, cluster, p, run_dir, profile: ComputeProfile | None = None) -> PlanOutcome:
