@@ -20,10 +20,11 @@ the fastest measured. The first 21 configurations are AMSP plans alone (tp = pp 
 --slow-node Q: a mixed cluster (slow_node.py): each emulated node pinned to a core of its own, the second
 slowed to Q of a core. Each node type's units are measured twice: by its own node on the mixed layout
 (every rank at once, each node keeping the median of its ranks: what a startup on a mixed cluster would
-measure; the median of --unit-measurements such runs, as a throttled node's timings have outliers) and on a layout of that type alone (both nodes fast, then both slow); the probe on the mixed
-layout. The configurations of MIXED_CONFIGS run on the mixed layout and are priced with either set of
-units on a two-group cluster (amsp/planner/joint/hetero.py), pipelines both with an even split and with
-the split the planner picks for that cluster. --reprice JSON prices an earlier --slow-node run again.
+measure; the median of --unit-measurements such runs, as a throttled node's timings have outliers) and
+on a layout of that type alone (both nodes fast, then both slow); the probe on the mixed layout. The
+configurations of MIXED_CONFIGS run on the mixed layout and are priced with either set of units on a
+two-group cluster (amsp/planner/joint/hetero.py), pipelines both with an even split and with the split
+the planner picks for that cluster. --reprice JSON prices an earlier --slow-node run again.
 """
 from __future__ import annotations
 
@@ -186,9 +187,7 @@ def measure_worker(path: str, sizes: list[int], per_node: bool = False) -> None:
     denv = init_distributed(backend="gloo")
     cfg = compose_config(MODEL)
     model, seq = to_llama_config(cfg.model), int(cfg.data.seq_len)
-    out = {"by_mbs": {}}
-    if per_node:
-        out = {"by_node": {}}
+    out = {"by_node": {}} if per_node else {"by_mbs": {}}
     for mbs in sizes:
         if per_node:
             for node, v in node_units(model, seq, mbs, denv.world_size).items():
@@ -277,19 +276,25 @@ def pricing_inputs(got: dict):
     return eff, units, slowdown, (_from_json(got["points"]), "probe")
 
 
-def amsp_planner_summary(rows: list[dict]) -> dict | None:
-    """The AMSP planner's own predictions (predict_amsp) of the data-parallel rows against the runs."""
-    ok = [r for r in rows if r.get("predicted_amsp_s") and r["measured_s"]]
+def prediction_stats(rows: list[dict], key: str, label) -> tuple[int, dict] | None:
+    """(rows priced and run, Spearman / errors / first choice of the predictions in rows[*][key] against
+    the runs); None with fewer than 3. label(row) names the first choice."""
+    ok = [r for r in rows if r.get(key) and r["measured_s"]]
     if len(ok) < 3:
         return None
-    errs = [(r["predicted_amsp_s"] - r["measured_s"]) / r["measured_s"] for r in ok]
-    first = min(ok, key=lambda r: r["predicted_amsp_s"])
-    return {"configs": len(ok), "spearman": spearman([r["predicted_amsp_s"] for r in ok],
-                                                     [r["measured_s"] for r in ok]),
-            "within_20pct": sum(abs(e) <= 0.2 for e in errs), "median_abs_error": statistics.median(map(abs, errs)),
-            "worst_error": max(errs, key=abs),
-            "first_choice": f"{'/'.join(map(str, first['degrees']))} mbs{first['mbs']}",
-            "first_choice_vs_fastest": first["measured_s"] / min(r["measured_s"] for r in ok)}
+    errs = [(r[key] - r["measured_s"]) / r["measured_s"] for r in ok]
+    first = min(ok, key=lambda r: r[key])
+    return len(ok), {"spearman": spearman([r[key] for r in ok], [r["measured_s"] for r in ok]),
+                     "within_20pct": sum(abs(e) <= 0.2 for e in errs),
+                     "median_abs_error": statistics.median(map(abs, errs)), "worst_error": max(errs, key=abs),
+                     "first_choice": label(first),
+                     "first_choice_vs_fastest": first["measured_s"] / min(r["measured_s"] for r in ok)}
+
+
+def amsp_planner_summary(rows: list[dict]) -> dict | None:
+    """The AMSP planner's own predictions (predict_amsp) of the data-parallel rows against the runs."""
+    got = prediction_stats(rows, "predicted_amsp_s", lambda r: f"{'/'.join(map(str, r['degrees']))} mbs{r['mbs']}")
+    return None if got is None else {"configs": got[0], **got[1]}
 
 
 def summarize(rows: list[dict], rate: str | None, got: dict, t0: float, a) -> None:
@@ -418,16 +423,10 @@ def median_units(runs: list[dict]) -> dict:
     return {"by_node": med([r["by_node"] for r in runs]), "points": runs[0]["points"]}
 
 
-def mixed_summary(rows: list[dict], key: str) -> dict:
-    """Spearman, errors and the first choice of the predictions in rows[*][key]."""
-    ok = [r for r in rows if r[key] and r["measured_s"]]
-    errs = [(r[key] - r["measured_s"]) / r["measured_s"] for r in ok]
-    first, fastest = min(ok, key=lambda r: r[key]), min(ok, key=lambda r: r["measured_s"])
-    return {"priced_and_ran": len(ok), "spearman": spearman([r[key] for r in ok], [r["measured_s"] for r in ok]),
-            "within_20pct": sum(abs(e) <= 0.2 for e in errs), "median_abs_error": statistics.median(map(abs, errs)),
-            "worst_error": max(errs, key=abs),
-            "first_choice": f"tp{first['tp']} pp{first['pp']} {first['degrees']} mbs{first['mbs']} {first['how']}",
-            "first_choice_vs_fastest": first["measured_s"] / fastest["measured_s"]}
+def mixed_summary(rows: list[dict], key: str) -> dict | None:
+    """prediction_stats of one unit source's predictions on the mixed cluster."""
+    got = prediction_stats(rows, key, lambda r: f"tp{r['tp']} pp{r['pp']} {r['degrees']} mbs{r['mbs']} {r['how']}")
+    return None if got is None else {"priced_and_ran": got[0], **got[1]}
 
 
 def mixed_main(a, t0: float) -> int:
@@ -445,11 +444,10 @@ def mixed_main(a, t0: float) -> int:
         for layout in () if old else ("fast", "slow", "mixed"):
             slow_node.setup(layout, a.slow_node)
             if layout == "mixed":  # a throttled node's timings have outliers: the median of a few
-                runs = [json.loads(json.dumps(measure(sizes, None, placed=True, per_node=True)))
-                        for _ in range(a.unit_measurements)]
+                runs = [measure(sizes, None, placed=True, per_node=True) for _ in range(a.unit_measurements)]
                 got[layout] = {**median_units(runs), "runs": runs}
             else:
-                got[layout] = json.loads(json.dumps(measure(sizes, None, placed=True)))
+                got[layout] = measure(sizes, None, placed=True)
             print(f"[{time.time() - t0:.0f}s] measured the {layout} layout", file=sys.stderr)
         priced = {src: mixed_inputs(got, a.slow_node, src) for src in ("mixed", "alone")}
         for src, (cluster, inputs) in priced.items():
