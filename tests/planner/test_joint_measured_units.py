@@ -35,6 +35,14 @@ def test_measured_units_replace_the_flops_estimate_and_scale_with_the_micro_batc
     s = Setting(TINY, 128, FP32, 2, 1, 2, 2, 4, {}, unit_times={(name, 2, 1): (0.05, 0.04, 0.01)})
     assert measured_units(s, name) == pytest.approx((0.10, 0.08, 0.02)), "nearest measured size, in proportion"
     assert measured_units(s, "other-node") is None
+    # measured at 1 and 8 (what startup times): the sizes between on the line through them, a fixed cost per
+    # micro-batch plus one per sample, so a larger micro-batch is cheaper per sample as measured
+    two = {(name, 2, 1): (0.05, 0.04, 0.01), (name, 2, 8): (0.26, 0.18, 0.03)}
+    at = {m: measured_units(replace(s, micro_batch_size=m, unit_times=two), name) for m in (1, 2, 4, 8, 16)}
+    assert at[1] == (0.05, 0.04, 0.01) and at[8] == (0.26, 0.18, 0.03)
+    assert at[2] == pytest.approx((0.08, 0.06, 0.01 + 0.02 / 7)) and at[4] == pytest.approx((0.14, 0.10, 0.01 + 0.06 / 7))
+    assert at[16] == pytest.approx((0.50, 0.34, 0.03 + 0.16 / 7)), "beyond the largest: the same line"
+    assert at[2][0] / 2 < at[1][0] and at[8][0] / 8 < at[2][0] / 2
     c = unit_costs(s, cluster.groups[0])
     assert (c.block, c.head, c.embed) == pytest.approx((0.10, 0.08, 0.02))
     assert c.block_full == pytest.approx(0.10 * 4 / 3), "recomputation adds the forward, a third of fwd+bwd"
@@ -91,3 +99,28 @@ def test_measured_optimizer_rate_prices_each_node_types_step():
     assert optimizer_s({name: rate}, 4) == pytest.approx(optimizer_s({name: rate}, 1) / 4, rel=0.02)
     assert optimizer_s({"other-node": rate}, 1) == pytest.approx(optimizer_s(None, 1)), "another type's rate"
     assert optimizer_s(None, 1) != pytest.approx(optimizer_s({name: rate}, 1))
+
+
+def test_a_stage_across_two_kinds_runs_at_the_measured_slower_pace_within_the_smaller_memory():
+    """Two node groups of one preset that differ only in what they measured at startup (a mixed cluster
+    whose file names the kinds apart): a data-parallel stage over both is priced at the slower group's
+    measured units, whichever comes first; with different memories, within the smaller."""
+    from amsp.planner.joint.hetero import HeteroCluster, NodeGroup
+    from amsp.planner.joint.search import stage_group
+
+    spec = load_preset("h100x8", 1).with_shape(1, 2)
+    small = replace(spec, device_memory_bytes=spec.device_memory_bytes // 2)
+    fast, slow = (0.01, 0.02, 0.001), (0.03, 0.06, 0.003)
+    for first, second in ((("fast", spec), ("slow", small)), (("slow", small), ("fast", spec))):
+        cluster = HeteroCluster("two", tuple(NodeGroup(n, 1, sp, "h100x8") for n, sp in (first, second)))
+        units = {("fast", 1, 2): fast, ("slow", 1, 2): slow}
+        s = Setting(TINY, 128, FP32, 1, 1, 4, 2, 2, {}, unit_times=units)
+        g = stage_group(s, list(cluster.groups))
+        assert g.name == "slow" and g.spec.device_memory_bytes == small.device_memory_bytes
+        step = _price(cluster, units=units)[0]
+        only_slow = {("fast", 1, 2): slow, ("slow", 1, 2): slow}
+        assert step == pytest.approx(_price(cluster, units=only_slow)[0]), "the fast group does not set the pace"
+    # the slower kind with the larger memory: its pace, the other's memory
+    cluster = HeteroCluster("two", (NodeGroup("fast", 1, small, "h100x8"), NodeGroup("slow", 1, spec, "h100x8")))
+    g = stage_group(Setting(TINY, 128, FP32, 1, 1, 4, 2, 2, {}, unit_times=units), list(cluster.groups))
+    assert g.name == "slow" and g.spec.device_memory_bytes == small.device_memory_bytes

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import dataclasses
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
@@ -25,7 +26,7 @@ from amsp.schedule import Precision
 from models.llama.config import LlamaConfig
 
 from .hetero import HeteroCluster, NodeGroup
-from .stage_cost import Setting, StageChoice, StagePricer
+from .stage_cost import Setting, StageChoice, StagePricer, unit_costs
 
 INF = float("inf")
 
@@ -76,12 +77,11 @@ class _Candidate:
         per_stage = s.tp * s.dp
         self.pricers, by_group, comm_cache = [], {}, {}
         for i in range(s.pp):
-            groups = cluster.groups_of_ranks(i * per_stage, (i + 1) * per_stage)
-            # a stage across two kinds of node runs at the slower one's pace within the smaller memory
-            g = min(groups, key=lambda x: (x.spec.peak_flops, x.spec.device_memory_bytes))
-            if g.name not in by_group:  # stages on the same kind of node price alike: build once
-                by_group[g.name] = StagePricer(s, cluster, i, g, comm_cache)
-            self.pricers.append(by_group[g.name])
+            g = stage_group(s, cluster.groups_of_ranks(i * per_stage, (i + 1) * per_stage))
+            key = (g.name, g.spec.device_memory_bytes)  # a stage across kinds may have the smaller memory
+            if key not in by_group:  # stages on the same kind of node price alike: build once
+                by_group[key] = StagePricer(s, cluster, i, g, comm_cache)
+            self.pricers.append(by_group[key])
         self.L = s.model.n_layers
         self._times: dict = {}
 
@@ -205,6 +205,18 @@ def shared_core_pipeline(pipe: float, t: list[float], B: int, stage_ranks: int, 
     work = [B * t[r // stage_ranks] for r in range(len(t) * stage_ranks)]  # per rank, all-busy seconds
     machines = [work[m:m + machine_ranks] for m in range(0, len(work), machine_ranks)]
     return max(pipe * alone, max(sum(w) / machine_ranks for w in machines))
+
+
+def stage_group(s: Setting, groups: list[NodeGroup]) -> NodeGroup:
+    """The node group a stage over `groups` is priced as: a stage across two kinds of node runs at the
+    slower one's pace (its block's time per micro-batch: measured where the startup timed it, else FLOPs
+    at its peak and efficiency; two kinds may share one preset and differ only in what they measured)
+    within the smallest memory among them."""
+    slow = max(groups, key=lambda g: (unit_costs(s, g).block, -g.spec.device_memory_bytes))
+    memory = min(g.spec.device_memory_bytes for g in groups)
+    if memory == slow.spec.device_memory_bytes:
+        return slow
+    return dataclasses.replace(slow, spec=dataclasses.replace(slow.spec, device_memory_bytes=memory))
 
 
 def plan_joint(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, global_batch: int,

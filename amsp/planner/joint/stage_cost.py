@@ -98,13 +98,24 @@ def unit_costs(s: Setting, g: NodeGroup) -> UnitCosts:
 
 def measured_units(s: Setting, node: str) -> tuple[float, float, float] | None:
     """(block, head, embedding) seconds per micro-batch measured for this node type and tp: at this
-    micro-batch size, else from the nearest measured size scaled in proportion (None: not measured)."""
-    sizes = [m for (n, tp, m) in s.unit_times if n == node and tp == s.tp]
+    micro-batch size; else, with two or more sizes measured, on the line through the two nearest (a fixed
+    cost per micro-batch, launches and small-matrix inefficiency, plus a cost per sample; never below
+    zero); with one size, in proportion to it. None: not measured."""
+    sizes = sorted(m for (n, tp, m) in s.unit_times if n == node and tp == s.tp)
     if not sizes:
         return None
-    m = min(sizes, key=lambda x: (abs(x - s.micro_batch_size), x))
-    scale = s.micro_batch_size / m
-    return tuple(t * scale for t in s.unit_times[(node, s.tp, m)])
+    want = s.micro_batch_size
+    if want in sizes:
+        return tuple(s.unit_times[(node, s.tp, want)])
+    if len(sizes) == 1:
+        (m,) = sizes
+        return tuple(t * want / m for t in s.unit_times[(node, s.tp, m)])
+    lo = max([m for m in sizes if m < want] or sizes[:1])  # the bracketing pair, or the two nearest at an end
+    hi = min([m for m in sizes if m > want] or sizes[-1:])
+    if lo == hi:
+        lo, hi = (sizes[-2], sizes[-1]) if want > sizes[-1] else (sizes[0], sizes[1])
+    a, b = s.unit_times[(node, s.tp, lo)], s.unit_times[(node, s.tp, hi)]
+    return tuple(max(0.0, x + (y - x) * (want - lo) / (hi - lo)) for x, y in zip(a, b))
 
 
 def unit_params(s: Setting) -> tuple[int, int, int]:
