@@ -144,6 +144,24 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+def decided_by_rank0(decide, rank: int) -> Any:
+    """decide() run on rank 0 only, its result on every rank; an input error (amsp.errors.RunError) or a
+    ValueError / RuntimeError it raises is raised on every rank alike: a bad input stops the whole world
+    with its own message, where rank 0 alone raising left the others to die on a closed connection."""
+    from amsp.errors import RunError
+
+    box = None
+    if rank == 0:
+        try:
+            box = decide()
+        except (RunError, ValueError, RuntimeError) as e:
+            box = e
+    box = broadcast_object(box, src=0)
+    if isinstance(box, BaseException):
+        raise box
+    return box
+
+
 def all_gather_object(obj: Any) -> list:
     """[rank] = that rank's obj (pickled; keep it small)."""
     plane = _plane()

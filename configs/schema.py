@@ -224,6 +224,9 @@ class ParallelConfig:
     # The joint planner (amsp/planner/joint) chooses tp, pp, the layer split, the micro-batch size and the
     # AMSP degrees at startup; needs amsp.plan=auto.
     auto: bool = False
+    # parallel.auto on a mixed cluster: a file of node groups (configs/clusters_mixed/), the hosts launched in
+    # its order; each group's compute is measured on its own ranks (amsp/parallel/mixed_cluster.py)
+    cluster_file: Optional[str] = None
 
 
 @dataclass

@@ -171,6 +171,21 @@ def _cross_field_problems(cfg: DictConfig) -> list[str]:
     return out
 
 
+def _cluster_file_problems(path: str) -> list[str]:
+    """A mixed-cluster file that cannot be read, named before any process group exists (its fit to the
+    launch is checked at startup, amsp/parallel/mixed_cluster.py)."""
+    from amsp.errors import InputError
+    from amsp.planner.device_preset import load_preset
+    from amsp.planner.joint.hetero import read_cluster_file
+
+    try:
+        for _, preset, _ in read_cluster_file(path)[1]:
+            load_preset(preset)  # exists; its figures resolve at startup (ValueError when it does not)
+    except (InputError, ValueError) as e:
+        return [f"parallel.cluster_file={path}: {e}"]
+    return []
+
+
 def _parallel_problems(cfg: DictConfig) -> list[str]:
     """parallel.* against the model and the batch: what can be known before any process group exists."""
     p = OmegaConf.select(cfg, "parallel")
@@ -195,6 +210,12 @@ def _parallel_problems(cfg: DictConfig) -> list[str]:
     if p.auto and OmegaConf.select(cfg, "amsp.plan") != "auto":
         out.append("parallel.auto=true is not allowed with a named amsp.plan: the joint planner chooses the AMSP "
                    "degrees too (set amsp.plan=auto)")
+    cluster_file = OmegaConf.select(p, "cluster_file")
+    if cluster_file and not p.auto:
+        out.append(f"parallel.cluster_file={cluster_file} is not allowed without parallel.auto=true: the joint "
+                   f"planner is what reads it (a hand-named tp/pp/layer_split runs as given on any cluster)")
+    elif cluster_file:
+        out += _cluster_file_problems(str(cluster_file))
     if p.tp > 1:
         for key in ("n_heads", "n_kv_heads", "vocab_size"):
             v = OmegaConf.select(cfg, f"model.{key}")

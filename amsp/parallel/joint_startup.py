@@ -7,6 +7,11 @@ cached) and the tensor-parallel units timed on real TP groups of every candidate
 (amsp/parallel/tp_profile.py); every rank receives the choice over the control plane. The run then
 takes the plan's tp, pp, layer split, micro-batch size and per-stage recomputation as if they had been
 given by hand, and each rank the AMSP degrees of its own stage's DP group.
+
+On a mixed cluster (parallel.cluster_file, amsp/parallel/mixed_cluster.py) the launch is checked against
+the file first, and each node group keeps its own ranks' compute profile and TP unit times. Units are
+measured at the run's micro-batch size and at 1 (the planner's other sizes lie on the line through them).
+Rank 0 plans; its result, or its input error, reaches every rank (control.decided_by_rank0).
 """
 from __future__ import annotations
 
@@ -24,63 +29,32 @@ def joint_plan_for_run(cfg: DictConfig, denv, device, run_dir: pathlib.Path | No
     """(cfg with parallel.* and trainer.micro_batch_size set from the choice, the JointPlan). Collective."""
     from configs.schema import to_llama_config
 
-    from ..planner.from_config import cluster_spec, planner_config, precision_name, refuse_state_budget_for_joint
-    from ..planner.joint.hetero import from_spec
-    from ..planner.joint.search import format_joint, plan_joint
-    from ..planner.startup import measured_compute, probe_for_run, ranks_per_node, with_probe
-    from ..planner.workload import Workload
-    from ..schedule import Precision
+    from ..planner.from_config import planner_config, refuse_state_budget_for_joint
+    from ..planner.startup import probe_for_run, ranks_per_node
+    from .mixed_cluster import devices_of_ranks, mixed_cluster_for_run
 
     p = planner_config(cfg)
     refuse_state_budget_for_joint(p)  # before any collective: every rank raises alike
     model = to_llama_config(cfg.model)
-    seq = int(cfg.data.seq_len)
-    tokens = OmegaConf.select(cfg, "trainer.global_batch_tokens")
-    global_batch = int(tokens) // seq if tokens else int(cfg.trainer.global_batch_size)
+    r = ranks_per_node(cfg, denv.local_world_size)
+    mixed = None
+    if cfg.parallel.cluster_file:  # checked against the launch before anything is measured
+        devices = devices_of_ranks(device)  # collective
+        mixed = control.decided_by_rank0(
+            lambda: mixed_cluster_for_run(cfg, denv.world_size, denv.local_world_size, device, r, devices), denv.rank)
+    groups = mixed.group_names_by_rank() if mixed is not None else None
     points = probe_for_run(cfg, denv, device)  # collective
-    profile = measured_compute(cfg, denv, device) if p.measure_compute else None  # collective
-    tp_times = measured_tp_units(cfg, model, denv, device) if p.measure_compute else {}  # collective
-    box: list = [None]
-    if denv.rank == 0:
-        r = ranks_per_node(cfg, denv.local_world_size)
-        try:
-            spec = cluster_spec(cfg, nodes=denv.world_size // r, ranks_per_node=r, local_ranks=denv.local_world_size,
-                                device=device)
-            spec = with_probe(spec, points, p)
-            cluster = from_spec(spec)
-            prec = Precision.named(precision_name(cfg, spec))
-            eff, source = float(p.mfu), f"amsp.planner.mfu={p.mfu}"
-            if profile is not None:  # the measured block forward against its FLOPs at this machine's peak
-                w = Workload(model, seq, int(cfg.trainer.micro_batch_size), 1, prec)
-                eff = min(1.0, w.block_forward_flops() / (profile.block_forward_s * spec.peak_flops))
-                source = f"{profile.source}: one block's forward at {eff:.0%} of the peak"
-            slowdown = p.overlap_slowdown if p.overlap_slowdown is not None else \
-                (profile.overlap_slowdown if profile is not None else None)
-            mbs = int(cfg.trainer.micro_batch_size)
-            units = {(spec.name, tp, mbs): v for tp, v in tp_times.items()}
-            if profile is not None:  # tp 1: the profile's own units
-                units[(spec.name, 1, mbs)] = (profile.block_forward_s + profile.block_backward_s,
-                                              profile.head_forward_backward_s, profile.embedding_s)
-            plans = plan_joint(model, cluster, seq_len=seq, global_batch=global_batch, precision=prec,
-                               efficiency={spec.name: eff}, top_k=p.top_k, memory_margin=p.memory_margin,
-                               reserved_bytes=p.reserved_gib * 2**30, overlap_slowdown=slowdown,
-                               unit_times=units, overlap_spread=bool(cfg.amsp.overlap_spread),
-                               spread_window=int(cfg.amsp.spread_window),
-                               optimizer_s_per_elem={spec.name: profile.optimizer_s_per_elem}
-                               if profile is not None and profile.optimizer_s_per_elem is not None else None)
-            text = f"joint planner (compute: {source})\n" + format_joint(plans, cluster)
-            log.info("%s", text)
-            if run_dir is not None:
-                run_dir.mkdir(parents=True, exist_ok=True)
-                (run_dir / "plan.txt").write_text(text + "\n")
-            box[0] = plans[0]
-        except (ValueError, RuntimeError) as e:  # InputError is a ValueError: tell the other ranks, then raise
-            box[0] = e
-    if denv.world_size > 1:
-        box[0] = control.broadcast_object(box[0], src=0)
-    if isinstance(box[0], BaseException):
-        raise box[0]
-    plan = box[0]
+    # What this machine measures, keyed by node group (None: the one kind of node of a uniform cluster) and
+    # micro-batch size: the run's and 1, so the planner's other sizes are priced on a fixed cost per
+    # micro-batch plus one per sample (stage_cost.measured_units) instead of in proportion to the run's,
+    # which made every size cost the same per sample and hid what a larger micro-batch saves.
+    profiles, tp_times = {}, {}
+    for m in sorted({1, int(cfg.trainer.micro_batch_size)}) if p.measure_compute else ():
+        at = OmegaConf.merge(cfg, {"trainer": {"micro_batch_size": m}})
+        profiles.update({(g, m): v for g, v in measured_profiles(at, denv, device, groups).items()})  # collective
+        tp_times.update({(g, tp, m): v for (g, tp), v in measured_tp_units(at, model, denv, device, groups).items()})
+    plan = control.decided_by_rank0(
+        lambda: _plan(cfg, denv, device, run_dir, mixed, r, points, profiles, tp_times), denv.rank)
     cfg = OmegaConf.merge(cfg, {
         "parallel": {"tp": plan.tp, "pp": plan.pp, "layer_split": plan.layer_split if plan.pp > 1 else None,
                      "schedule": "1f1b", "virtual_stages": 1, "recompute_stages": plan.recompute},
@@ -89,16 +63,100 @@ def joint_plan_for_run(cfg: DictConfig, denv, device, run_dir: pathlib.Path | No
     return cfg, plan
 
 
-def measured_tp_units(cfg: DictConfig, model, denv, device) -> dict:
-    """{tp: (block, head, embedding) seconds} for every tp the joint planner may pick on this run's nodes,
-    timed on real TP groups (amsp/parallel/tp_profile.py), or read from the cache a run of the same shape
-    on the same machine and world wrote (beside the compute profile's; amsp.planner.probe_cache=false
-    measures again). Collective; {} on one rank."""
+def _plan(cfg, denv, device, run_dir, mixed, r, points, profiles: dict, tp_times: dict):
+    """Rank 0: the joint plan on the run's cluster priced with what was measured (logged, saved)."""
+    import dataclasses
+
+    from configs.schema import to_llama_config
+
+    from ..planner.from_config import cluster_spec, planner_config, precision_name
+    from ..planner.joint.hetero import from_spec
+    from ..planner.joint.search import format_joint, plan_joint
+    from ..planner.startup import with_probe
+    from ..planner.workload import Workload
+    from ..schedule import Precision
+
+    p = planner_config(cfg)
+    model = to_llama_config(cfg.model)
+    seq, mbs = int(cfg.data.seq_len), int(cfg.trainer.micro_batch_size)
+    tokens = OmegaConf.select(cfg, "trainer.global_batch_tokens")
+    global_batch = int(tokens) // seq if tokens else int(cfg.trainer.global_batch_size)
+    if mixed is None:
+        cluster = from_spec(with_probe(cluster_spec(cfg, nodes=denv.world_size // r, ranks_per_node=r,
+                                                    local_ranks=denv.local_world_size, device=device), points, p))
+    else:  # the probe measured this cluster's links as a whole (the slowest rank's figures): every group gets them
+        cluster = dataclasses.replace(mixed, groups=tuple(dataclasses.replace(g, spec=with_probe(g.spec, points, p))
+                                                          for g in mixed.groups))
+    prec = Precision.named(precision_name(cfg, cluster.groups[0].spec))
+    eff, units, optimizer, sources = {}, {}, {}, []
+    groups = []
+    for g in cluster.groups:
+        mine = {m: v for (grp, m), v in profiles.items() if grp in (g.name, None)}
+        for m, v in mine.items():  # tp 1: the profile's own units
+            units[(g.name, 1, m)] = (v.block_forward_s + v.block_backward_s, v.head_forward_backward_s, v.embedding_s)
+        prof = mine.get(mbs)
+        spec = g.spec
+        if prof is not None:  # the measured block forward against its FLOPs at this kind of node's peak
+            w = Workload(model, seq, mbs, 1, prec)
+            eff[g.name] = min(1.0, w.block_forward_flops() / (prof.block_forward_s * spec.peak_flops))
+            if prof.optimizer_s_per_elem is not None:
+                optimizer[g.name] = prof.optimizer_s_per_elem
+            if prof.overlap_slowdown is not None and p.overlap_slowdown is None:
+                spec = dataclasses.replace(spec, overlap_slowdown=prof.overlap_slowdown)
+            sources.append(f"{'' if mixed is None else g.name + ': '}{prof.source}: one block's forward at "
+                           f"{eff[g.name]:.0%} of the peak")
+        else:
+            eff[g.name] = float(p.mfu)
+        units.update({(g.name, tp, m): v for (grp, tp, m), v in tp_times.items() if grp in (g.name, None)})
+        groups.append(dataclasses.replace(g, spec=spec))
+    if not profiles:
+        sources.append(f"amsp.planner.mfu={p.mfu}")
+    cluster = dataclasses.replace(cluster, groups=tuple(groups))
+    plans = plan_joint(model, cluster, seq_len=seq, global_batch=global_batch, precision=prec, efficiency=eff,
+                       top_k=p.top_k, memory_margin=p.memory_margin, reserved_bytes=p.reserved_gib * 2**30,
+                       overlap_slowdown=p.overlap_slowdown, unit_times=units,
+                       overlap_spread=bool(cfg.amsp.overlap_spread), spread_window=int(cfg.amsp.spread_window),
+                       optimizer_s_per_elem=optimizer or None)
+    text = f"joint planner (compute: {'; '.join(sources)})\n" + format_joint(plans, cluster)
+    log.info("%s", text)
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "plan.txt").write_text(text + "\n")
+    return plans[0]
+
+
+def measured_profiles(cfg: DictConfig, denv, device, groups: list[str] | None) -> dict:
+    """{None: the run's compute profile} (startup.measured_compute), or on a mixed cluster {node group:
+    its own ranks' profile} (compute_profile.measure_group_profiles). Collective."""
+    from ..planner.compute_profile import measure_group_profiles
+    from ..planner.from_config import planner_config
+    from ..planner.startup import cores_shared, measured_compute, timing_dtype
+
+    if groups is None:
+        return {None: measured_compute(cfg, denv, device)}
+    from configs.schema import to_llama_config
+
+    p = planner_config(cfg)
+    model = to_llama_config(cfg.model)
+    return measure_group_profiles(model, int(cfg.data.seq_len), int(cfg.trainer.micro_batch_size),
+                                  timing_dtype(cfg, device), model.activation_checkpointing, device, denv.world_size,
+                                  denv.rank, groups, pathlib.Path(p.cache_dir) if p.cache_dir else None,
+                                  p.probe_cache, cores_shared=cores_shared(device, denv))
+
+
+def measured_tp_units(cfg: DictConfig, model, denv, device, groups: list[str] | None = None) -> dict:
+    """{(None, tp): (block, head, embedding) seconds} for every tp the joint planner may pick on this run's
+    nodes, timed on real TP groups (amsp/parallel/tp_profile.py; the slowest rank's), or read from the
+    cache a run of the same shape on the same machine and world wrote (beside the compute profile's;
+    amsp.planner.probe_cache=false measures again). groups (a mixed cluster's node group of every rank):
+    {(group, tp): ...}, each group the median of its own ranks' times. Collective; {} on one rank."""
     import torch
     import torch.distributed as dist
 
+    from amsp import control
+
     from ..planner.cache_file import read_shared, write_atomic
-    from ..planner.compute_profile import cache_key, default_cache_dir
+    from ..planner.compute_profile import cache_key, default_cache_dir, medians_by_group, rank_layout
     from ..planner.from_config import planner_config
     from ..planner.joint.search import tp_candidates
     from ..planner.startup import cores_shared, ranks_per_node, timing_dtype
@@ -109,23 +167,33 @@ def measured_tp_units(cfg: DictConfig, model, denv, device) -> dict:
     seq, mbs = int(cfg.data.seq_len), int(cfg.trainer.micro_batch_size)
     dtype = timing_dtype(cfg, device)
     backend = dist.get_backend() if dist.is_initialized() else None
-    key = cache_key(model, seq, mbs, dtype, "none", device, denv.world_size, backend, cores_shared(device, denv))
+    layout = rank_layout(groups, device) if groups is not None else None
+    key = cache_key(model, seq, mbs, dtype, "none", device, denv.world_size, backend, cores_shared(device, denv),
+                    layout)
     cache = pathlib.Path(p.cache_dir) if p.cache_dir else default_cache_dir()  # as the compute profile
+    field = "times" if groups is None else "times_by_group"
     out = {}
     for tp in tp_candidates(model, ranks_per_node(cfg, denv.local_world_size), seq)[1:]:  # tp 1: the profile
         # sequence and loss parallelism on, as the run applies them
         path = cache / f"tp{tp}-v{TP_PROFILE_VERSION}-{key}.json"
-        cached = read_shared(path, "times", p.probe_cache, denv.rank, denv.world_size > 1, "tensor-parallel profile")
+        cached = read_shared(path, field, p.probe_cache, denv.rank, denv.world_size > 1, "tensor-parallel profile")
         if cached is not None:
-            times = TPUnitTimes(**cached)
-        else:
-            times = measure_tp_units(model, seq, mbs, dtype, device, tp, denv.world_size)
+            by_group = {None: TPUnitTimes(**cached)} if groups is None else \
+                {g: TPUnitTimes(**v) for g, v in cached.items()}
+        elif groups is None:
+            by_group = {None: measure_tp_units(model, seq, mbs, dtype, device, tp, denv.world_size)}
+        else:  # every rank its own times, each node group the median of its ranks
+            mine = measure_tp_units(model, seq, mbs, dtype, device, tp, denv.world_size, slowest=False)
+            rows = control.all_gather_object([mine.block_s, mine.head_s, mine.embedding_s])
+            by_group = {g: TPUnitTimes(tp, *med) for g, med in medians_by_group(rows, groups).items()}
+        if cached is None and denv.rank == 0:
+            write_atomic(path, {"key": key, field: vars(by_group[None]) if groups is None else
+                                {g: vars(t) for g, t in by_group.items()}})
+        for g, times in by_group.items():
             if denv.rank == 0:
-                write_atomic(path, {"key": key, "times": vars(times)})
-        if denv.rank == 0:
-            log.info("tensor-parallel profile%s: %s", f" (cached {path})" if cached is not None else "",
-                     times.describe())
-        out[tp] = (times.block_s, times.head_s, times.embedding_s)
+                log.info("tensor-parallel profile%s%s: %s", "" if g is None else f" of node group {g}",
+                         f" (cached {path})" if cached is not None else "", times.describe())
+            out[(g, tp)] = (times.block_s, times.head_s, times.embedding_s)
     return out
 
 

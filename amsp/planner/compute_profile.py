@@ -60,7 +60,8 @@ def device_name(device) -> str:
 
 
 def cache_key(model_cfg, seq_len: int, micro_batch: int, dtype: str, recompute: str, device, world: int,
-              backend: str | None, cores_shared: bool = False) -> str:
+              backend: str | None, cores_shared: bool = False, layout: list | None = None) -> str:
+    """layout: a mixed cluster's (node group, device name) of every rank; None keeps a uniform run's key."""
     import torch
 
     shape = {"device": device_name(device), "dim": model_cfg.dim, "ffn": model_cfg.ffn_hidden_dim,
@@ -68,6 +69,8 @@ def cache_key(model_cfg, seq_len: int, micro_batch: int, dtype: str, recompute: 
              "tie": model_cfg.tie_embeddings, "attention": str(model_cfg.attention), "seq": seq_len,
              "mbs": micro_batch, "dtype": dtype, "recompute": recompute, "torch": torch.__version__,
              "world": world, "backend": backend, "cores_shared": cores_shared, "optimizer": 1}
+    if layout is not None:
+        shape["layout"] = [list(x) for x in layout]
     return hashlib.sha1(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -239,6 +242,34 @@ def measure_profile(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, 
     core is then idle to run the communication, so its CPU time is taken from compute one for one: the
     overlap slowdown is 1 by construction (measured there it read anything from 0.2 to 1.0 from one run
     to the next, the difference of two noisy timings), and it is not measured."""
+    return _measure(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, world, rank, cache_dir,
+                    use_cache, overlap_fallback, cores_shared, None)[ALL_RANKS]
+
+
+def measure_group_profiles(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, recompute: str, device,
+                           world: int, rank: int, rank_groups: list[str], cache_dir: pathlib.Path | None = None,
+                           use_cache: bool = True, cores_shared: bool = False) -> dict[str, ComputeProfile]:
+    """One ComputeProfile per node group of a mixed cluster (rank_groups[r]: rank r's group): measured
+    as measure_profile measures, every rank at once, each group keeping the median of its own ranks, so
+    a slower kind of node is priced at its own speed. Cached under the groups and every rank's device.
+    Collective (world > 1)."""
+    return _measure(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, world, rank, cache_dir,
+                    use_cache, None, cores_shared, list(rank_groups))
+
+
+ALL_RANKS = "all ranks"
+
+
+def medians_by_group(rows: list[list[float]], rank_groups: list[str]) -> dict[str, list[float]]:
+    """{group: column-wise median of its ranks' rows}, groups in order of their first rank."""
+    out: dict[str, list] = {}
+    for row, g in zip(rows, rank_groups, strict=True):
+        out.setdefault(g, []).append(row)
+    return {g: [statistics.median(col) for col in zip(*members)] for g, members in out.items()}
+
+
+def _measure(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, world, rank, cache_dir, use_cache,
+             overlap_fallback, cores_shared, rank_groups: list[str] | None) -> dict[str, ComputeProfile]:
     import torch
     import torch.distributed as dist
 
@@ -249,45 +280,75 @@ def measure_profile(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, 
     device = torch.device(device)
     distributed = world > 1 and dist.is_initialized()
     backend = dist.get_backend() if distributed else None
-    key = cache_key(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, world, backend, cores_shared)
+    groups = rank_groups or [ALL_RANKS] * world
+    layout = None
+    if rank_groups is not None:  # a mixed cluster: which group each rank is in and what it runs on
+        if len(rank_groups) != world or not distributed:
+            raise ValueError(f"measure_group_profiles: {len(rank_groups)} rank groups for a world of {world}"
+                             f"{'' if distributed else ' without a process group'}")
+        layout = rank_layout(rank_groups, device)
+    key = cache_key(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, world, backend, cores_shared,
+                    layout)
     path = (cache_dir or default_cache_dir()) / f"compute-{key}.json"
-    cached = read_shared(path, "profile", use_cache, rank, distributed, "compute profile")
+    field = "profile" if layout is None else "profiles"
+    cached = read_shared(path, field, use_cache, rank, distributed, "compute profile")
     if cached is not None:
-        prof = ComputeProfile(**{**cached, "source": f"cache ({cached['source']})"})
+        got = {ALL_RANKS: cached} if layout is None else cached
+        profiles = {g: ComputeProfile(**{**v, "source": f"cache ({v['source']})"}) for g, v in got.items()}
         if rank == 0:
-            log.info("compute profile: cached %s: %s", path, describe(prof))
-        return prof
+            for g, prof in profiles.items():
+                log.info("compute profile%s: cached %s: %s", _of(g), path, describe(prof))
+        return profiles
 
     if rank == 0:
         log.info("compute profile: timing one block (dim %d, micro-batch %d x %d, %s) forward/backward, the head "
-                 "and the embedding on %s%s", model_cfg.dim, micro_batch, seq_len, dtype_name, device_name(device),
-                 ", then with a concurrent all_reduce" if distributed else "")
+                 "and the embedding on %s%s%s", model_cfg.dim, micro_batch, seq_len, dtype_name, device_name(device),
+                 ", then with a concurrent all_reduce" if distributed else "",
+                 "; each node group keeps its own ranks' median" if layout is not None else "")
     t0 = time.perf_counter()
     times, parts = time_compute(model_cfg, seq_len, micro_batch, dtype_name, device)
     times["optimizer_s_per_elem"] = time_optimizer(device)  # every rank at once, as the engine's step runs
-    slowdown = None
+    fields = list(times)
     if distributed:
         block_bytes = sum(p.numel() * p.element_size() for p in parts[0].parameters())
         mine = 1.0 if cores_shared else measure_overlap_slowdown(parts, device, block_bytes)
-        fields = list(times)
         rows = control.all_gather_object([times[f] for f in fields] + [mine])
-        times = {f: statistics.median(r[i] for r in rows) for i, f in enumerate(fields)}
-        slowdown = min(1.0, statistics.median(r[-1] for r in rows))
         if cores_shared and rank == 0:
             log.info("compute profile: the ranks share this machine's cores, so hidden communication takes its "
                      "CPU time from compute one for one: overlap slowdown 1 (not measured)")
-    elif rank == 0:
-        log.info("compute profile: a single process has no concurrent communication to measure; overlap "
-                 "slowdown from %s", "the cluster preset" if overlap_fallback is None else "the config")
+    else:
+        rows = [[times[f] for f in fields] + [None]]
+        if rank == 0:
+            log.info("compute profile: a single process has no concurrent communication to measure; overlap "
+                     "slowdown from %s", "the cluster preset" if overlap_fallback is None else "the config")
     del parts  # the one-block model: freed before the engine allocates, and kept out of the run's peak
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    prof = ComputeProfile(**times, overlap_slowdown=slowdown, source=f"measured on {device_name(device)}")
+    where = dict(layout) if layout is not None else {ALL_RANKS: device_name(device)}
+    profiles = {}
+    for g, med in medians_by_group([r[:-1] for r in rows], groups).items():
+        slow = [r[-1] for r, rg in zip(rows, groups) if rg == g and r[-1] is not None]
+        profiles[g] = ComputeProfile(**dict(zip(fields, med)),
+                                     overlap_slowdown=min(1.0, statistics.median(slow)) if slow else None,
+                                     source=f"measured on {where[g]}")
     if rank == 0:
-        log.info("compute profile (%.2f s to measure): %s", time.perf_counter() - t0, describe(prof))
-        write_atomic(path, {"key": key, "profile": asdict(prof)})
-    return prof
+        for g, prof in profiles.items():
+            log.info("compute profile%s (%.2f s to measure): %s", _of(g), time.perf_counter() - t0, describe(prof))
+        payload = asdict(profiles[ALL_RANKS]) if layout is None else {g: asdict(v) for g, v in profiles.items()}
+        write_atomic(path, {"key": key, field: payload})
+    return profiles
+
+
+def rank_layout(rank_groups: list[str], device) -> list[tuple[str, str]]:
+    """(node group, device name) of every rank: part of a mixed cluster's cache keys. Collective."""
+    from amsp import control
+
+    return list(zip(rank_groups, control.all_gather_object(device_name(device)), strict=True))
+
+
+def _of(group: str) -> str:
+    return "" if group == ALL_RANKS else f" of node group {group}"
 
 
 def describe(p: ComputeProfile) -> str:

@@ -142,7 +142,12 @@ def _run(rank: int, world: int, cases: list[dict]) -> list[dict]:
             denv = DistEnv(rank, world, rank % 2, 2, "test")
             first = measured_tp_units(cfg, to_llama_config(cfg.model), denv, "cpu")
             again = measured_tp_units(cfg, to_llama_config(cfg.model), denv, "cpu")
-            out.append({"case": case, "first": first, "again": again})
+            # a mixed cluster's two node groups: each keeps its own ranks' times, cached apart from the above
+            groups = ["fast", "fast", "slow", "slow"]
+            by_group = measured_tp_units(cfg, to_llama_config(cfg.model), denv, "cpu", groups)
+            by_group_again = measured_tp_units(cfg, to_llama_config(cfg.model), denv, "cpu", groups)
+            out.append({"case": case, "first": first, "again": again, "by_group": by_group,
+                        "by_group_again": by_group_again})
             continue
         eng, mesh = _engine(rank, world, {**case, "device_mesh": meshes.get(tp)})
         if case.get("fault"):
@@ -201,8 +206,10 @@ def test_tp_dp_equals_single_process(tmp_path):
     cfg = model_cfg()  # not the full vocab x dim table on every TP rank (DTensor's own embedding backward)
     assert emb["placements"] == "(Shard(dim=0),)" and emb["shape"] == (cfg.vocab_size // 2, cfg.dim), emb
     (cached,) = [r for r in results[0] if r["case"].get("profile_cache")]
-    assert list(cached["first"]) == [2] and cached["again"] == cached["first"], cached  # tp 2 inside a node of 2
-    assert len(list(cache.glob("tp2-v*-*.json"))) == 1
+    assert list(cached["first"]) == [(None, 2)] and cached["again"] == cached["first"], cached  # tp 2 in a node of 2
+    assert list(cached["by_group"]) == [("fast", 2), ("slow", 2)] and cached["by_group_again"] == cached["by_group"]
+    assert cached["by_group"][("fast", 2)] != cached["by_group"][("slow", 2)]  # two groups' own medians, not one
+    assert len(list(cache.glob("tp2-v*-*.json"))) == 2
     profiles = [r["times"] for rank_results in results for r in rank_results if r["case"].get("profile")]
     assert len(profiles) == 4 and all(p == profiles[0] for p in profiles), \
         f"every rank must get the slowest rank's TP unit times: {profiles}"

@@ -4,10 +4,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import pathlib
 
 import pytest
 
-from amsp.planner.compute_profile import ComputeProfile, load_profile, measure_profile
+from amsp.planner.compute_profile import ComputeProfile, load_profile, measure_group_profiles, measure_profile
 
 TINY = ["model=debug", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=4",
         "data.seq_len=32", "trainer.micro_batch_size=1", "trainer.global_batch_size=2"]
@@ -88,8 +89,12 @@ def _startup(rank: int, world: int, tmp: str) -> dict:
                                  f"amsp.planner.cache_dir={tmp}", "amsp.planner.top_k=2"])
     out = plan_for_run(cfg, DistEnv(rank, world, rank, world, "test"))
     again = plan_for_run(cfg, DistEnv(rank, world, rank, world, "test"))
+    # a mixed cluster's node groups, one rank each here: each group's profile is its own rank's
+    args = (_model(cfg), 32, 1, "fp32", "none", "cpu", world, rank, ["a", "b"], pathlib.Path(tmp))
+    groups, groups_again = measure_group_profiles(*args), measure_group_profiles(*args)
     return {"plan": out.plan, "profile": out.options.compute if rank == 0 else None,
-            "again": again.options.compute if rank == 0 else None, "table": out.table if rank == 0 else ""}
+            "again": again.options.compute if rank == 0 else None, "table": out.table if rank == 0 else "",
+            "groups": groups, "groups_again": groups_again}
 
 
 @pytest.mark.distributed
@@ -102,7 +107,13 @@ def test_plan_for_run_measures_compute_and_overlap(tmp_path):
     assert prof.source.startswith("measured on ") and prof.block_forward_s > 0
     assert prof.overlap_slowdown is not None and 0 <= prof.overlap_slowdown <= 1  # measured with 2 ranks
     assert again.source.startswith("cache") and again.overlap_slowdown == prof.overlap_slowdown
-    assert len(list(tmp_path.glob("compute-*.json"))) == 1
+    groups, groups_again = out[0]["groups"], out[0]["groups_again"]
+    assert list(groups) == ["a", "b"] and out[1]["groups"] == groups  # every rank gets rank 0's view
+    assert all(p.source.startswith("measured on ") and p.overlap_slowdown is not None for p in groups.values())
+    assert groups["a"].block_forward_s != groups["b"].block_forward_s  # each its own rank's timing, not one median
+    assert all(groups_again[g].source.startswith("cache") and
+               groups_again[g].block_forward_s == groups[g].block_forward_s for g in groups)
+    assert len(list(tmp_path.glob("compute-*.json"))) == 2  # the grouped profile cached apart from the uniform one
 
 
 def test_measured_optimizer_rate_prices_the_step():

@@ -1,12 +1,16 @@
 """A cluster of node groups that may differ: per group a preset of configs/cluster/ (GPU peak, memory,
 links inside a node) and a node count; between groups an optional bandwidth table.
 
-YAML (configs/cluster/mixed_a100_v100.yaml):
+YAML (configs/clusters_mixed/mixed_a100_v100.yaml):
     name: mixed_a100_v100
     node_groups:
       - {preset: a100x8, nodes: 2}
       - {preset: v100x8, nodes: 2}
     inter_group_gbs: {a100x8-v100x8: 12.5}   # per node, GB/s; default: the slower group's inter-node figure
+
+A group may carry a `name` of its own (default: its preset's), so two kinds of node described by the
+same preset stay apart, e.g. {name: slow, preset: cpu, nodes: 1}: what tells them apart is then what
+each measures at training startup (parallel.cluster_file, amsp/parallel/mixed_cluster.py).
 
 Ranks are numbered node group by node group, node by node, as a launcher given the hosts in that order
 would number them; the mesh (amsp/parallel/mesh.py) then puts pipeline stage i on ranks
@@ -27,9 +31,10 @@ CLUSTER_DIR = pathlib.Path(__file__).resolve().parents[3] / "configs" / "cluster
 
 @dataclass(frozen=True)
 class NodeGroup:
-    name: str  # the preset's name, e.g. a100x8
+    name: str  # the group's name: its preset's (e.g. a100x8) unless the file names it
     nodes: int
     spec: ClusterSpec  # the preset, shaped as this group (nodes x ranks_per_node)
+    preset: str = ""  # the configs/cluster/ preset it was built from ("" : the same as name)
 
     @property
     def gpus(self) -> int:
@@ -49,6 +54,16 @@ class HeteroCluster:
         if len(per_node) != 1:
             raise InputError(f"cluster {self.name}: node groups with different GPUs per node {sorted(per_node)}; "
                              f"the mesh's rank order needs one ranks-per-node figure")
+        presets: dict = {}
+        for g in self.groups:
+            if presets.setdefault(g.name, g.preset or g.name) != (g.preset or g.name):
+                raise InputError(f"cluster {self.name}: node groups named {g.name!r} use different presets "
+                                 f"({presets[g.name]}, {g.preset}); give each kind of node its own name")
+        pairs = {f"{a}-{b}" for a in presets for b in presets if a != b}
+        unknown = sorted(set(self.inter_group_gbs) - pairs)
+        if unknown:
+            raise InputError(f"cluster {self.name}: inter_group_gbs names {', '.join(unknown)}, not a pair of its "
+                             f"node groups ({', '.join(sorted(pairs)) or 'one group: no pairs'})")
 
     @property
     def ranks_per_node(self) -> int:
@@ -68,6 +83,10 @@ class HeteroCluster:
                 return g
             rank -= g.gpus
         raise ValueError(f"rank outside a cluster of {self.world}")
+
+    def group_names_by_rank(self) -> list[str]:
+        """The node group's name of every rank, in rank order."""
+        return [g.name for g in self.groups for _ in range(g.gpus)]
 
     def groups_of_ranks(self, lo: int, hi: int) -> list[NodeGroup]:
         """The node groups ranks [lo, hi) live on (a pipeline stage spanning two kinds of node)."""
@@ -117,22 +136,41 @@ def from_spec(spec: ClusterSpec) -> HeteroCluster:
     return HeteroCluster(spec.name, (NodeGroup(spec.name, spec.nodes, spec),))
 
 
-def load_hetero(path: str | pathlib.Path) -> HeteroCluster:
-    """A mixed-cluster YAML (see the module docstring), or a plain preset file as one node group."""
+def read_cluster_file(path: str | pathlib.Path) -> tuple[str, list[tuple[str, str, int]], dict]:
+    """(name, [(group name, preset, nodes)], inter_group_gbs) of a mixed-cluster YAML, or of a plain preset
+    file as one group; InputError naming the file and the entry when it is malformed."""
     from omegaconf import OmegaConf
 
     path = pathlib.Path(path)
     if not path.is_file():
         raise InputError(f"cluster file {path} does not exist")
-    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    try:
+        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except Exception as e:  # a YAML syntax error: name the file
+        raise InputError(f"cluster file {path}: not readable as YAML ({e})") from e
+    if not isinstance(raw, dict):
+        raise InputError(f"cluster file {path}: expected a mapping with node_groups, got {type(raw).__name__}")
     if "node_groups" not in raw:
-        return from_spec(load_preset(path.stem, int(raw.get("nodes", 1))))
+        return path.stem, [(path.stem, path.stem, int(raw.get("nodes", 1)))], {}
     groups = []
-    for i, g in enumerate(raw["node_groups"]):
+    for i, g in enumerate(raw["node_groups"] or []):
         if not isinstance(g, dict) or "preset" not in g or "nodes" not in g:
             raise InputError(f"{path}: node_groups[{i}] needs `preset` and `nodes`, got {g}")
-        groups.append(NodeGroup(g["preset"], int(g["nodes"]), load_preset(g["preset"], int(g["nodes"]))))
-    return HeteroCluster(raw.get("name", path.stem), tuple(groups), dict(raw.get("inter_group_gbs") or {}))
+        if not isinstance(g["nodes"], int) or g["nodes"] < 1:
+            raise InputError(f"{path}: node_groups[{i}] has nodes={g['nodes']}; a group has a whole number >= 1")
+        groups.append((str(g.get("name") or g["preset"]), str(g["preset"]), g["nodes"]))
+    if not groups:
+        raise InputError(f"{path}: node_groups is empty")
+    return str(raw.get("name", path.stem)), groups, dict(raw.get("inter_group_gbs") or {})
+
+
+def load_hetero(path: str | pathlib.Path, resolve=load_preset) -> HeteroCluster:
+    """A mixed-cluster YAML (see the module docstring), or a plain preset file as one node group.
+    resolve(preset, nodes) -> ClusterSpec builds each group's spec (training startup resolves a preset as
+    `cluster=<preset>` would: measured CPU figures, the device's real memory)."""
+    name, groups, inter = read_cluster_file(path)
+    return HeteroCluster(name, tuple(NodeGroup(g, nodes, resolve(preset, nodes), preset) for g, preset, nodes in groups),
+                         inter)
 
 
 def group_as_cluster(g: NodeGroup, nodes: int, ranks_per_node: int) -> ClusterSpec:
