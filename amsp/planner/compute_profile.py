@@ -280,7 +280,6 @@ def _measure(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, wor
     device = torch.device(device)
     distributed = world > 1 and dist.is_initialized()
     backend = dist.get_backend() if distributed else None
-    groups = rank_groups or [ALL_RANKS] * world
     layout = None
     if rank_groups is not None:  # a mixed cluster: which group each rank is in and what it runs on
         if len(rank_groups) != world or not distributed:
@@ -326,6 +325,7 @@ def _measure(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, wor
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     where = dict(layout) if layout is not None else {ALL_RANKS: device_name(device)}
+    groups = rank_groups or [ALL_RANKS] * len(rows)
     profiles = {}
     for g, med in medians_by_group([r[:-1] for r in rows], groups).items():
         slow = [r[-1] for r, rg in zip(rows, groups) if rg == g and r[-1] is not None]

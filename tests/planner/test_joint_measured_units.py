@@ -64,6 +64,11 @@ def test_shared_core_pipeline_bounds():
     assert shared_core_pipeline(11.0, [1.0] * 4, 8, 1, 4, 0.5) == pytest.approx(8.0)
     # two machines: the busier one decides
     assert shared_core_pipeline(27.0, t, 8, 1, 2, 0.9) == pytest.approx(max(27 * 0.9, 8 * 4.0 / 2))
+    # a machine per stage (2 stages of 2 ranks, 2 ranks a machine): a stage's ranks idle and run together,
+    # no other stage can take their cores, so the pipeline keeps its all-busy time
+    assert shared_core_pipeline(5.0, [1.0, 2.0], 2, 2, 2, 0.5) == 5.0
+    # the same stages on one 4-rank machine: the idle stage's cores go to the busy one
+    assert shared_core_pipeline(5.0, [1.0, 2.0], 2, 2, 4, 0.5) == pytest.approx(max(2.5, (2 + 2 + 4 + 4) / 4))
 
 
 def test_pipeline_on_shared_cores_is_cheaper_and_data_parallel_unchanged():

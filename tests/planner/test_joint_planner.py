@@ -51,6 +51,21 @@ def test_mixed_cluster_gives_the_slower_nodes_fewer_layers():
         assert _fits(p)
 
 
+def test_no_pipeline_plan_with_fewer_micro_batches_than_stages():
+    """The 1F1B schedule needs at least pp micro-batches a step (train.py refuses fewer at startup): a
+    small batch leaves such layouts out of the ranking rather than returning a plan that cannot start."""
+    from amsp.parallel.pipeline import check_micro_batches
+
+    tiny = get_preset("tiny")
+    plans = plan_joint(tiny, from_spec(load_preset("h100x8", 1).with_shape(2, 2)), seq_len=128, global_batch=16,
+                       precision=BF16, top_k=100)
+    assert any(p.pp > 1 for p in plans) and any(p.micro_batch_size == 8 for p in plans)
+    for p in plans:
+        check_micro_batches("1f1b", p.num_micro, p.pp)  # raises for a plan train.py would refuse
+    assert not [p for p in plans if p.pp == 2 and p.dp == 2 and p.micro_batch_size == 8], "B = 16/(2 x 8) = 1 < pp"
+    assert [p for p in plans if p.pp == 2 and p.dp == 1 and p.micro_batch_size == 8], "B = 16 / 8 = 2 = pp runs"
+
+
 def test_split_dp_matches_brute_force():
     cfg = get_preset("llama2_7b").with_overrides(n_layers=7)
     cluster = load_hetero(MIXED)

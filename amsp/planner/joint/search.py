@@ -199,12 +199,32 @@ class _Candidate:
 def shared_core_pipeline(pipe: float, t: list[float], B: int, stage_ranks: int, machine_ranks: int,
                          alone: float) -> float:
     """1F1B step seconds on machines whose ranks share cores (CPU). `t`: per-micro-batch seconds of
-    each stage timed with every rank busy; a stage idle in the bubble gives its cores to the others.
-    Two bounds, the larger holds: the pipeline's critical path at the lone-rank speed (pipe * alone),
-    and each machine's total work spread over its ranks (the cores never idle while work is left)."""
-    work = [B * t[r // stage_ranks] for r in range(len(t) * stage_ranks)]  # per rank, all-busy seconds
+    each stage timed with every rank busy; a stage idle in the bubble gives its cores to the others on
+    its machine. Two bounds, the larger holds: the pipeline's critical path at the lone-rank speed
+    (pipe * alone), and each machine's total work spread over its ranks (the cores never idle while work
+    is left). Only ranks of other stages can take a stage's cores: where every machine holds ranks of one
+    stage alone (a machine per stage, as on the emulated mixed cluster), they idle and run together and
+    nothing is handed over."""
+    stage_of = [r // stage_ranks for r in range(len(t) * stage_ranks)]
+    if all(len(set(stage_of[m:m + machine_ranks])) == 1 for m in range(0, len(stage_of), machine_ranks)):
+        return pipe
+    work = [B * t[i] for i in stage_of]  # per rank, all-busy seconds
     machines = [work[m:m + machine_ranks] for m in range(0, len(work), machine_ranks)]
     return max(pipe * alone, max(sum(w) / machine_ranks for w in machines))
+
+
+def pipeline_refuses(pp: int, num_micro: int) -> bool:
+    """Whether the 1F1B schedule a joint plan runs under refuses this many micro-batches per step
+    (amsp.parallel.pipeline.check_micro_batches: it needs at least pp); such a plan would stop at startup."""
+    if pp == 1:
+        return False
+    from amsp.parallel.pipeline import check_micro_batches
+
+    try:
+        check_micro_batches("1f1b", num_micro, pp)
+    except InputError:
+        return True
+    return False
 
 
 def stage_group(s: Setting, groups: list[NodeGroup]) -> NodeGroup:
@@ -239,6 +259,8 @@ def plan_joint(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, glob
             if global_batch % (dp * mbs):
                 continue
             B = global_batch // (dp * mbs)
+            if pipeline_refuses(pp, B):
+                continue
             s = Setting(model, seq_len, precision, tp, pp, dp, mbs, B, eff, memory_margin, reserved_bytes,
                         overlap_slowdown, unit_times or {}, overlap_spread, spread_window, optimizer_s_per_elem or {})
             cand = _Candidate(s, cluster)
