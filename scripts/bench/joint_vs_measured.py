@@ -24,7 +24,10 @@ measure; the median of --unit-measurements such runs, as a throttled node's timi
 on a layout of that type alone (both nodes fast, then both slow); the probe on the mixed layout. The
 configurations of MIXED_CONFIGS run on the mixed layout and are priced with either set of units on a
 two-group cluster (amsp/planner/joint/hetero.py), pipelines both with an even split and with the split
-the planner picks for that cluster. --reprice JSON prices an earlier --slow-node run again.
+the planner picks for that cluster. Then train.py's own startup runs on the same layout, --startup-runs
+times (parallel.auto=true, parallel.cluster_file naming the two nodes apart, fresh measurements each):
+each choice and its step time against the fastest configuration of the table.
+--reprice JSON prices an earlier --slow-node run again.
 """
 from __future__ import annotations
 
@@ -62,7 +65,7 @@ RANKS, RANKS_PER_NODE = 4, 2
 MIXED_CONFIGS = [(1, 1, (1, 1, 1), 2, None), (1, 1, (1, 1, 2), 2, None), (1, 1, (2, 2, 2), 2, None),
                  (2, 1, (1, 1, 1), 2, None), (1, 2, (1, 1, 1), 2, None), (1, 2, (1, 1, 1), 2, "planned"),
                  (1, 2, (1, 1, 1), 1, None), (1, 2, (1, 1, 1), 1, "planned"), (2, 2, (1, 1, 1), 2, None),
-                 (2, 2, (1, 1, 1), 2, "planned")]
+                 (2, 2, (1, 1, 1), 2, "planned"), (1, 1, (1, 1, 1), 4, None), (1, 2, (1, 1, 1), 4, "planned")]
 
 
 def run_config(tp, pp, deg, mbs, steps, rate, workdir, split=None, placed=False) -> float | None:
@@ -74,22 +77,61 @@ def run_config(tp, pp, deg, mbs, steps, rate, workdir, split=None, placed=False)
     plan = (["amsp.plan=auto"] if deg is None else
             [f"amsp.p={deg[0]}", f"amsp.g={deg[1]}", f"amsp.os={deg[2]}", "amsp.plan=custom"])
     layers = [f"parallel.layer_split=[{','.join(map(str, split))}]"] if split else []
-    args = [*MODEL, f"parallel.tp={tp}", f"parallel.pp={pp}", *layers, *plan, f"trainer.micro_batch_size={mbs}",
-            f"trainer.max_steps={steps}",
-            "trainer.log_interval=1", "trainer.val_samples=0", "trainer.checkpoint_interval=0",
-            "logging.wandb.mode=disabled", "logging.plot=false", f"trainer.output_dir={workdir}",
-            f"trainer.run_name={name}", "amsp.ranks_per_node=2", "amsp.planner.recheck_steps=0"]
+    got = run_train(name, [f"parallel.tp={tp}", f"parallel.pp={pp}", *layers, *plan,
+                           f"trainer.micro_batch_size={mbs}"], steps, rate, workdir, placed)
+    if got is not None and deg is None:
+        print((open(os.path.join(workdir, name, "plan.txt")).read()), file=sys.stderr)
+    return got
+
+
+def run_train(name: str, args: list[str], steps: int, rate, workdir, placed=False, env=None) -> float | None:
+    """train.py on the 4 ranks with MODEL and `args` for `steps` steps: the median step seconds after the
+    first two (None, said on stderr, when it failed)."""
+    args = [*MODEL, *args, f"trainer.max_steps={steps}", "trainer.log_interval=1", "trainer.val_samples=0",
+            "trainer.checkpoint_interval=0", "logging.wandb.mode=disabled", "logging.plot=false",
+            f"trainer.output_dir={workdir}", f"trainer.run_name={name}", "amsp.ranks_per_node=2",
+            "amsp.planner.recheck_steps=0"]
     cmd = launch_cmd(rate, "train.py", args, placed)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != 0:
-        print(f"  {name}: failed ({proc.returncode}): {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}",
+        out = (proc.stdout + proc.stderr).splitlines()
+        keep = os.path.join(tempfile.gettempdir(), f"joint_vs_measured_{name}.log")  # outlives the work dir
+        with open(keep, "w") as f:
+            f.write("\n".join(out))
+        why = [ln for ln in out if "input error" in ln or "Error" in ln or "exitcode" in ln or "terminate" in ln]
+        print(f"  {name}: failed ({proc.returncode}), output in {keep}:", *(why[-4:] or out[-3:]), sep="\n    ",
               file=sys.stderr)
         return None
     recs = [json.loads(x) for x in open(os.path.join(workdir, name, "metrics.jsonl"))]
-    if deg is None:
-        print((open(os.path.join(workdir, name, "plan.txt")).read()), file=sys.stderr)
     return statistics.median(r["step_time_s"] for r in recs if r["step"] > 2)
+
+
+def startup_choice(steps: int, workdir: str, run: int = 0) -> dict | None:
+    """train.py with parallel.auto on the mixed layout, told the node groups (parallel.cluster_file): the
+    plan its startup chose from what each node measured there (fresh measurements, no cache), that plan's
+    predicted and measured step seconds. Each emulated node is a machine of one core and its 2 ranks
+    (AMSP_MACHINE_RANKS), as mixed_cluster prices it. A launch that fails is said so (its output kept) and
+    tried once more."""
+    cluster_file = os.path.join(workdir, "slow_node_cluster.yaml")
+    with open(cluster_file, "w") as f:
+        f.write("name: slow_node\nnode_groups:\n  - {name: fast, preset: cpu, nodes: 1}\n"
+                "  - {name: slow, preset: cpu, nodes: 1}\n")
+    for attempt in (1, 2):
+        name = f"startup_auto{run}_{attempt}"
+        measured = run_train(name, ["parallel.auto=true", "amsp.plan=auto", f"parallel.cluster_file={cluster_file}",
+                                    f"amsp.planner.cache_dir={os.path.join(workdir, name + '_cache')}"], steps, None,
+                             workdir, placed=True, env={"AMSP_MACHINE_RANKS": str(RANKS_PER_NODE)})
+        if measured is not None:
+            break
+    if measured is None:
+        return None
+    text = open(os.path.join(workdir, name, "plan.txt")).read()
+    lines = text.splitlines()
+    header = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("rank"))
+    col = lines[header + 1].split()  # rank tp pp dp mbs B step MFU layers/stage p/g/os-per-stage ...
+    return {"tp": int(col[1]), "pp": int(col[2]), "mbs": int(col[4]), "split": col[8], "degrees": col[9],
+            "predicted_s": float(col[6]), "measured_s": measured, "attempts": attempt, "plan": text}
 
 
 def optimizer_rate(got: dict) -> float | None:
@@ -436,9 +478,12 @@ def mixed_main(a, t0: float) -> int:
     from models.llama import get_preset
 
     n_layers = get_preset("tiny").n_layers
-    configs = MIXED_CONFIGS[:a.limit] if a.limit else MIXED_CONFIGS
-    sizes = sorted({c[3] for c in configs})
     old = json.load(open(a.reprice)) if a.reprice else None
+    configs = MIXED_CONFIGS[:a.limit] if a.limit else MIXED_CONFIGS
+    if old:  # the configurations that ran then
+        configs = [(r["tp"], r["pp"], tuple(r["degrees"]), r["mbs"], None if r["how"] == "default" else r["how"])
+                   for r in old["rows"]]
+    sizes = sorted({c[3] for c in configs})
     got, rows = (old["measured"], old["rows"]) if old else ({}, [])
     try:
         for layout in () if old else ("fast", "slow", "mixed"):
@@ -471,6 +516,15 @@ def mixed_main(a, t0: float) -> int:
                 print(f"[{i + 1}/{len(configs)} {time.time() - t0:.0f}s] tp{tp} pp{pp} {deg} mbs{mbs} split "
                       f"{row['split'] or '-'} ({row['how']}): predicted {_s(row['predicted_s'])} (units alone "
                       f"{_s(row['predicted_alone_s'])}) measured {_s(row['measured_s'])}", file=sys.stderr)
+            # train.py's own startup on the same layout, right after the configurations: a few independent
+            # startups, each measuring afresh (the throttled node's timings move their choice)
+            startups = old["summary"].get("startups", []) if old else []
+            for i in range(0 if old else a.startup_runs):
+                got_i = startup_choice(a.steps, work, i)
+                startups.append(got_i)
+                if got_i is not None:
+                    print(f"[{time.time() - t0:.0f}s] parallel.auto at startup ({i + 1}/{a.startup_runs}):\n"
+                          f"{got_i['plan']}\nmeasured {_s(got_i['measured_s'])}", file=sys.stderr)
     finally:
         if not old:
             slow_node.teardown()
@@ -480,6 +534,9 @@ def mixed_main(a, t0: float) -> int:
                "units_measured_alone": mixed_summary(rows, "predicted_alone_s"),
                "units": {src: {f"{k[0]} tp{k[1]} mbs{k[2]}": v for k, v in inputs[1].items()}
                          for src, (_, inputs) in priced.items()}, "wall_s": time.time() - t0}
+    fastest = min((r["measured_s"] for r in rows if r["measured_s"]), default=None)
+    summary["startups"] = [None if st is None else {**st, "vs_fastest_configuration": st["measured_s"] / fastest
+                                                    if fastest else None} for st in startups]
 
     def line(r: dict) -> str:
         split = f"{'/'.join(map(str, r['split']))} ({r['how']})" if r["split"] else "-"
@@ -490,6 +547,14 @@ def mixed_main(a, t0: float) -> int:
     write_results(a, summary, rows, got, "| tp | pp | p/g/os | mbs | blocks per stage | predicted s (units on "
                   "the mixed layout) | error | predicted s (units alone) | error | measured s |\n"
                   "|---|---|---|---|---|---|---|---|---|---|\n", line)
+    if a.markdown and summary["startups"]:
+        with open(a.markdown, "a") as f:
+            f.write("\n| train.py parallel.auto startup | tp | pp | mbs | blocks per stage | p/g/os per stage | "
+                    "predicted s | measured s | vs the fastest configuration above |\n|---|---|---|---|---|---|---|---|---|\n")
+            for i, st in enumerate(summary["startups"], 1):
+                f.write(f"| {i} | failed twice | | | | | | | |\n" if st is None else
+                        f"| {i} | {st['tp']} | {st['pp']} | {st['mbs']} | {st['split']} | {st['degrees']} | "
+                        f"{_s(st['predicted_s'])} | {_s(st['measured_s'])} | {st['vs_fastest_configuration']:.3f}x |\n")
     return 0
 
 
@@ -515,6 +580,8 @@ def main() -> int:
                     "(slow_node.py; root, cgroup v1), MIXED_CONFIGS run and priced on it")
     ap.add_argument("--unit-measurements", type=int, default=3, metavar="N", help="--slow-node: measure the "
                     "mixed layout's per-node units N times and price with the median")
+    ap.add_argument("--startup-runs", type=int, default=3, metavar="N", help="--slow-node: then N independent "
+                    "train.py startups with parallel.auto and the two node groups named (parallel.cluster_file)")
     ap.add_argument("--without-optimizer-rate", action="store_true", help="--reprice: drop the measured AdamW "
                     "rate (the preset's memory bandwidth prices the optimizer step)")
     ap.add_argument("--measure-worker", metavar="PATH", help=argparse.SUPPRESS)  # internal: one rank's measurement
