@@ -4,9 +4,9 @@ The file (configs/clusters_mixed/*.yaml, amsp/planner/joint/hetero.py) lists its
 order the launcher numbers the nodes: group 0's nodes hold ranks [0, n0 * R), the next group the ranks
 after. The mesh puts pipeline stage i on the ranks after stage i-1's (amsp/parallel/mesh.py), so a stage
 runs on the kind of node the planner priced it on only when the hosts were launched in the file's order.
-Startup checks what it can see: the world size and ranks per node against the file, and on GPUs each
-rank's device against its group's preset; a launch that contradicts the file is refused before anything
-is measured.
+Startup checks what it can see: the file's nodes times the launch's ranks per node against the world
+size, and on GPUs each rank's device against its group's preset; a launch that contradicts the file is
+refused before anything is measured.
 
 Each group's preset is resolved as `cluster=<preset>` resolves it for a run on this machine (the cpu
 preset's measured figures; on CUDA the smallest device memory among the group's ranks). What makes the

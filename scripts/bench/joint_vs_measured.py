@@ -550,7 +550,8 @@ def mixed_main(a, t0: float) -> int:
     if a.markdown and summary["startups"]:
         with open(a.markdown, "a") as f:
             f.write("\n| train.py parallel.auto startup | tp | pp | mbs | blocks per stage | p/g/os per stage | "
-                    "predicted s | measured s | vs the fastest configuration above |\n|---|---|---|---|---|---|---|---|---|\n")
+                    "predicted s | measured s | vs the fastest configuration above |\n"
+                    "|---|---|---|---|---|---|---|---|---|\n")
             for i, st in enumerate(summary["startups"], 1):
                 f.write(f"| {i} | failed twice | | | | | | | |\n" if st is None else
                         f"| {i} | {st['tp']} | {st['pp']} | {st['mbs']} | {st['split']} | {st['degrees']} | "

@@ -124,6 +124,8 @@ def test_parallel_auto_on_a_mixed_cluster_measures_each_group_and_trains(tmp_pat
     proc = train(run, *ARGS, f"amsp.planner.cache_dir={tmp_path / 'cache'}",
                  f"parallel.cluster_file={_file(tmp_path, TWO_KINDS)}", nproc=4)
     out = proc.stdout + proc.stderr
+    # timed at the run's micro-batch size (2) and at 1: the planner's other sizes lie on the line through them
+    assert "micro-batch 1 x 32" in out and "micro-batch 2 x 32" in out, out[-3000:]
     for group in ("fast", "slow"):
         assert f"compute profile of node group {group} (" in out, out[-3000:]
         assert f"tensor-parallel profile of node group {group}: tp 2:" in out, out[-3000:]

@@ -169,8 +169,8 @@ def load_hetero(path: str | pathlib.Path, resolve=load_preset) -> HeteroCluster:
     resolve(preset, nodes) -> ClusterSpec builds each group's spec (training startup resolves a preset as
     `cluster=<preset>` would: measured CPU figures, the device's real memory)."""
     name, groups, inter = read_cluster_file(path)
-    return HeteroCluster(name, tuple(NodeGroup(g, nodes, resolve(preset, nodes), preset) for g, preset, nodes in groups),
-                         inter)
+    return HeteroCluster(name, tuple(NodeGroup(g, nodes, resolve(preset, nodes), preset)
+                                     for g, preset, nodes in groups), inter)
 
 
 def group_as_cluster(g: NodeGroup, nodes: int, ranks_per_node: int) -> ClusterSpec:
