@@ -23,6 +23,7 @@ from models.llama.model import lm_loss
 
 from ..errors import InputError
 from ..routing_check import data_plane
+from .micro_batches import micro_batch_problem
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +84,9 @@ def stage_parts(model, parallel_cfg, mesh, rank: int, loss_context=nullcontext):
 
 def check_micro_batches(schedule: str, num_micro: int, pp: int) -> None:
     """What the schedules need of a step's micro-batch count (train.py asks before building anything)."""
-    if schedule != "gpipe" and num_micro < pp:
-        raise InputError(f"parallel.schedule={schedule} needs at least parallel.pp={pp} micro-batches per step, "
-                         f"got {num_micro}: lower trainer.micro_batch_size or raise trainer.global_batch_size")
-    if schedule == "interleaved" and num_micro % pp:
-        raise InputError(f"the interleaved schedule needs the micro-batches per step ({num_micro}) to be a "
-                         f"multiple of parallel.pp={pp}; change trainer.global_batch_size or micro_batch_size")
+    problem = micro_batch_problem(schedule, num_micro, pp)
+    if problem:
+        raise InputError(problem)
 
 
 class StageModule(nn.Module):

@@ -22,6 +22,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from amsp.errors import InputError
+from amsp.parallel.micro_batches import micro_batch_problem
 from amsp.schedule import Precision
 from models.llama.config import LlamaConfig
 
@@ -214,17 +215,9 @@ def shared_core_pipeline(pipe: float, t: list[float], B: int, stage_ranks: int, 
 
 
 def pipeline_refuses(pp: int, num_micro: int) -> bool:
-    """Whether the 1F1B schedule a joint plan runs under refuses this many micro-batches per step
-    (amsp.parallel.pipeline.check_micro_batches: it needs at least pp); such a plan would stop at startup."""
-    if pp == 1:
-        return False
-    from amsp.parallel.pipeline import check_micro_batches
-
-    try:
-        check_micro_batches("1f1b", num_micro, pp)
-    except InputError:
-        return True
-    return False
+    """Whether the 1F1B schedule a joint plan runs under refuses this many micro-batches per step (it needs
+    at least pp; amsp/parallel/micro_batches.py); such a plan would stop at startup."""
+    return micro_batch_problem("1f1b", num_micro, pp) is not None
 
 
 def stage_group(s: Setting, groups: list[NodeGroup]) -> NodeGroup:

@@ -1,0 +1,16 @@
+"""What the pipeline schedules need of a step's micro-batch count, without torch: the joint planner
+(amsp/planner/joint/search.py) leaves out layouts a schedule refuses, and train.py refuses them before
+anything is built (amsp/parallel/pipeline.check_micro_batches). Importing the pipeline runtime for this
+rule cost the planner 1.6 s of torch import."""
+from __future__ import annotations
+
+
+def micro_batch_problem(schedule: str, num_micro: int, pp: int) -> str | None:
+    """Why `schedule` cannot run `num_micro` micro-batches a step over `pp` stages, or None when it can."""
+    if schedule != "gpipe" and num_micro < pp:
+        return (f"parallel.schedule={schedule} needs at least parallel.pp={pp} micro-batches per step, got "
+                f"{num_micro}: lower trainer.micro_batch_size or raise trainer.global_batch_size")
+    if schedule == "interleaved" and num_micro % pp:
+        return (f"the interleaved schedule needs the micro-batches per step ({num_micro}) to be a multiple of "
+                f"parallel.pp={pp}; change trainer.global_batch_size or micro_batch_size")
+    return None
