@@ -27,15 +27,26 @@ def _batch(step: int, micro: int, data_rank: int, vocab: int):
     return t[:, :-1], t[:, 1:]
 
 
-def _reference(n_layers: int, dp: int, steps: int = STEPS) -> dict:
+def _settings(case: dict):
+    """The tests' AdamW settings, with the case's eps where it names one."""
+    from dataclasses import replace
+
+    from tests.amsp.amsp_cases import SETTINGS
+
+    return replace(SETTINGS, eps=case["eps"]) if "eps" in case else SETTINGS
+
+
+def _reference(n_layers: int, dp: int, steps: int = STEPS, settings=None) -> dict:
     from amsp.optim import param_groups
     from models.llama import build_model
     from tests.amsp.amsp_cases import SCHEDULE, SETTINGS
 
+    settings = settings or SETTINGS
+
     cfg = _cfg(n_layers)
     model = build_model(cfg, seed=SEED)
-    opt = torch.optim.AdamW(param_groups(model, SETTINGS.weight_decay), lr=SCHEDULE(0), betas=SETTINGS.betas,
-                            eps=SETTINGS.eps, foreach=False)
+    opt = torch.optim.AdamW(param_groups(model, settings.weight_decay), lr=SCHEDULE(0), betas=settings.betas,
+                            eps=settings.eps, foreach=False)
     losses, norms = [], []
     for step in range(steps):
         for group in opt.param_groups:
@@ -46,7 +57,7 @@ def _reference(n_layers: int, dp: int, steps: int = STEPS) -> dict:
             loss = model(torch.cat(xs), torch.cat(ys))
             (loss / MICRO).backward()
             total += loss.item()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), SETTINGS.grad_clip).item())
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip).item())
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total / MICRO)
@@ -63,8 +74,8 @@ def _run(rank: int, world: int, cases: list[dict]) -> list[dict]:
     from amsp.parallel.tensor_parallel import parallelize_llama
     from amsp.plan import Degrees, Plan
     from models.llama.model import Llama
-    from tests.amsp.amsp_cases import SCHEDULE, SETTINGS, rel
-    from tests.parallel.test_tp_engine import _param_error_parts, _worst_param_error
+    from tests.amsp.amsp_cases import SCHEDULE, rel
+    from tests.parallel.test_tp_engine import _max_abs_param_error, _param_error_parts, _worst_param_error
 
     torch.set_num_threads(1)
     out = []
@@ -83,10 +94,10 @@ def _run(rank: int, world: int, cases: list[dict]) -> list[dict]:
         plan = Plan(Degrees(*case["blocks"]), Degrees(*case["blocks"]), name="test")
         eng = AMSPEngine(cfg, plan, mesh.dp_topology(rank), rank, seed=SEED, mesh=mesh,
                          parts=stage_parts(model, pcfg, mesh, rank, loss_context=ctx),
-                         options=EngineOptions(precision="fp32", optim=SETTINGS))
+                         options=EngineOptions(precision="fp32", optim=_settings(case)))
         runner = PipelineRunner(eng, mesh, rank, pcfg, MICRO, SEQ, MBS) if mesh.pp > 1 else None
         steps = case.get("steps", STEPS)
-        ref = _reference(case["layers"], mesh.dp, steps)
+        ref = _reference(case["layers"], mesh.dp, steps, _settings(case))
         data_rank = mesh.coords(rank).dp
         loss_err = norm_err = 0.0
         for step in range(steps):
@@ -106,6 +117,7 @@ def _run(rank: int, world: int, cases: list[dict]) -> list[dict]:
         val, n = control.all_reduce_sum_floats([float(v) for v in held])
         out.append({"case": case, "loss_err": loss_err, "norm_err": norm_err, "val": val / max(n, 1),
                     "param_err": _worst_param_error(eng, ref["params"]),
+                    "abs_err": _max_abs_param_error(eng, ref["params"]),
                     "param_parts": _param_error_parts(eng, ref["params"])})
     return out
 
@@ -143,28 +155,37 @@ def test_pp_dp_and_pp_tp_equal_single_process():
             assert 0 < r["val"] < 20, r
 
 
-EIGHT_RANK_CASES = [  # the issue's acceptance shape: 8 ranks, 20 steps, AMSP plans other than 1/1/1
+LAYOUTS_8 = [  # the issue's acceptance shape: 8 ranks, 20 steps, AMSP plans other than 1/1/1
     {"tp": 2, "pp": 1, "schedule": "1f1b", "layers": 4, "blocks": (4, 4, 4), "steps": 20},  # TP x DP (zero3)
     {"pp": 2, "schedule": "1f1b", "layers": 4, "blocks": (2, 4, 4), "steps": 20},  # PP x DP
     {"tp": 2, "pp": 2, "schedule": "1f1b", "layers": 4, "blocks": (1, 2, 2), "steps": 20},  # TP x PP x DP (zero2)
 ]
+# Each layout twice: with AdamW's eps at 1e-6 and at the default 1e-8. Below eps an element's update is
+# lr * g / eps, so a gradient that is itself a cancellation of much larger terms (2e-9 here) carries its
+# rounding into the update. At 1e-8 that is fp32's floor on this data, above 1e-5: the single-process
+# reference against itself, the same rows fed as one batch of 8 or as four of 2, differs by 1.55e-5
+# (layers.0.feed_forward.w2 after one step) and 9.6e-6 after 20. At 1e-6 the same runs agree to a few
+# 1e-6, so there the issue's 1e-5 is asserted as it stands.
+EIGHT_RANK_CASES = [{**c, "eps": eps} for eps in (1e-6, 1e-8) for c in LAYOUTS_8]
+PARAM_TOLERANCE = {1e-6: 1e-5, 1e-8: 3e-5}
 
 
-@pytest.mark.slow  # 8 spawned ranks on a small machine: about a minute and a half
+@pytest.mark.slow  # 8 spawned ranks on a small machine: about two and a half minutes
 def test_eight_ranks_tp_pp_dp_20_steps_equal_single_process():
     results = run_distributed(_run, 8, EIGHT_RANK_CASES, timeout=900)
-    worst = [{**{k: max(rank[i][k] for rank in results) for k in ("loss_err", "norm_err", "param_err")},
+    keys = ("loss_err", "norm_err", "param_err", "abs_err")
+    worst = [{**{k: max(rank[i][k] for rank in results) for k in keys},
               "per_param_err": per_parameter_error([rank[i]["param_parts"] for rank in results])}
              for i in range(len(EIGHT_RANK_CASES))]
-    print("8 ranks, 20 steps, worst over ranks:", list(zip([c.get("tp", 1) for c in EIGHT_RANK_CASES],
-                                                              [c["pp"] for c in EIGHT_RANK_CASES], worst)))
     for case, w in zip(EIGHT_RANK_CASES, worst):
-        # Losses within 1e-5 (measured: about 1e-7). Parameters: 1e-5 is below fp32's own floor on this
-        # data. The single-process reference against itself, the same rows fed as one batch of 8 or as four
-        # of 2, differs by 1.55e-5 (layers.0.feed_forward.w2 after one step) and 9.6e-6 after 20: one
-        # element's gradient (2e-9) sits below AdamW's eps (1e-8), where the update follows rounding.
-        # Measured here, per whole parameter 1.4e-5 to 1.8e-5 (the same tensor, also with plan 1/1/1);
-        # per fragment 1.2e-5 to 2.5e-5. So 3e-5 for both (a dropped shard or a double-counted copy is
-        # off by far more: tests/parallel/test_tp_engine.py). Gradient norm 1e-4.
-        assert w["loss_err"] <= 1e-5 and w["per_param_err"] <= 3e-5, (case, w)
-        assert w["param_err"] <= 3e-5 and w["norm_err"] <= 1e-4, (case, w)
+        print(f"8 ranks, 20 steps, tp {case.get('tp', 1)} pp {case['pp']} eps {case['eps']:g}, worst over ranks:",
+              {k: f"{v:.2g}" for k, v in w.items()})
+    for case, w in zip(EIGHT_RANK_CASES, worst):
+        # Losses within 1e-5 (measured: about 1e-7). Parameters, relative per whole parameter
+        # (per_param_err), per fragment (param_err) and elementwise absolute (abs_err): 1e-5 at eps 1e-6
+        # (measured 1e-6 to 4e-6); at eps 1e-8, 3e-5 (measured 1.2e-5 to 2.5e-5, the same tensor also with
+        # plan 1/1/1). A dropped shard or a double-counted copy is off by far more
+        # (tests/parallel/test_tp_engine.py). Gradient norm 1e-4.
+        tol = PARAM_TOLERANCE[case["eps"]]
+        assert w["loss_err"] <= 1e-5 and w["norm_err"] <= 1e-4, (case, w)
+        assert max(w["per_param_err"], w["param_err"], w["abs_err"]) <= tol, (case, w)

@@ -68,18 +68,29 @@ def _save_format1(mgr, eng, step: int) -> None:
     mgr.save(step, frags, rng_tensors(), {"optimizer_steps": eng.optimizer_steps}, "{}\n")
 
 
+def _fragment_pairs(eng, ref_params: dict):
+    """(trained fp32 master fragment, reference values at the fragment's global positions) for every
+    fragment this rank holds."""
+    slots = {s.name: s for u in eng.units for s in u.slots}
+    for f in eng.named_fragments():
+        full, tp = ref_params[f.name].reshape(-1), slots[f.name].tp
+        runs = [(f.start, f.start, f.end - f.start)] if tp is None else tp.global_runs(f.start, f.end)
+        yield f.master, torch.cat([full[g:g + n] for _, g, n in runs])
+
+
 def _worst_param_error(eng, ref_params: dict) -> float:
     """Worst relative error (norm of the difference over the norm of the reference, per fragment, as
     tests/amsp/amsp_cases.check_params measures it) of this rank's fp32 master fragments against the
     reference at the fragments' global positions."""
-    slots = {s.name: s for u in eng.units for s in u.slots}
-    worst = 0.0
-    for f in eng.named_fragments():
-        full, tp = ref_params[f.name].reshape(-1), slots[f.name].tp
-        runs = [(f.start, f.start, f.end - f.start)] if tp is None else tp.global_runs(f.start, f.end)
-        want = torch.cat([full[g:g + n] for _, g, n in runs])
-        worst = max(worst, ((f.master - want).norm() / want.norm().clamp_min(1e-12)).item())
-    return worst
+    return max([((got - want).norm() / want.norm().clamp_min(1e-12)).item()
+                for got, want in _fragment_pairs(eng, ref_params)], default=0.0)
+
+
+def _max_abs_param_error(eng, ref_params: dict) -> float:
+    """Largest elementwise |trained - reference| over this rank's fragments (the absolute reading of
+    "parameters within 1e-5", beside the relative one above)."""
+    return max([(got - want).abs().max().item() for got, want in _fragment_pairs(eng, ref_params)
+                if got.numel()], default=0.0)
 
 
 def _param_error_parts(eng, ref_params: dict) -> dict:
