@@ -350,14 +350,16 @@ class AMSPEngine:
 
     def _grad_ready(self, u: FlatUnit, param) -> None:
         st = self._state_of(u)
+        u.take_grad(param, first=st["waiting"][id(u)] == len(u.slots))
         left = st["waiting"][id(u)] - 1
         st["waiting"][id(u)] = left
         if left:
             return
         st["done"].add(id(u))
-        flat = u.flatten_grads()
+        flat = u.take_flat_grads()
         u.free()  # gradients are complete: the recompute (if any) is over, the buffer can go
-        u.launch_grad_reduce(flat)
+        if flat is not None:
+            u.launch_grad_reduce(flat)
         if not self.options.async_grad_reduce:
             st["pipeline"].append(u)
             self._advance(st, u, 2 if st["last"] else 1)

@@ -72,6 +72,8 @@ class FlatUnit:
         # OS-local ranges left out of the gradient norm (TP-replicated copies on TP ranks other than 0)
         self.norm_excluded = self._segments_where(lambda slot: not slot.norm_counted)
         self.replicas = world // deg.os  # ranks holding the same OS shard
+        self._slot_of: dict[int, ParamSlot] = {}  # id(parameter) -> slot, rebuilt when a parameter is replaced
+        self._flat, self._flat_filled = None, 0  # this micro-batch's reduce-scatter input while grads arrive
         if deg.p > 1:
             self.full = torch.empty(lay.padded, dtype=compute_dtype, device=device)
             self.full.untyped_storage().resize_(0)
@@ -158,25 +160,47 @@ class FlatUnit:
         self.gathered = False
 
     # ---- gradients ----
-    def flatten_grads(self) -> torch.Tensor:
-        """This micro-batch's parameter grads -> one padded buffer in the grad dtype; grads dropped."""
-        flat = torch.empty(self.layout.padded, dtype=self.grad_dtype, device=self.device)
-        end = 0
-        for s in self.slots:
-            p = self.param(s)
-            if p.grad is None:
-                raise RuntimeError(f"{s.name} received no gradient in this backward")
-            grad = p.grad if s.tp is None else _local_grad(p.grad, s.tp)
-            flat[s.offset:s.offset + s.numel].copy_(grad.reshape(-1))
-            p.grad = None
-            end = s.offset + s.numel
-        flat[end:].zero_()
+    def take_grad(self, param: nn.Parameter, first: bool) -> None:
+        """One parameter's gradient for this micro-batch leaves autograd as soon as it is accumulated
+        (the engine's post-accumulate hook), so a unit's gradient is never held twice. With g = 1 it
+        is added straight into the G shard (the whole buffer: nothing to send); otherwise it is copied
+        into the unit's flat reduce-scatter buffer, allocated at the unit's first gradient. Copying
+        only once every gradient had arrived held the unit's autograd gradients and the flat copy at
+        once: the head's 2 x 47 MiB was the peak of the last pipeline stage at tp 2. `first`: the
+        unit's first gradient of this backward (a buffer left by an interrupted one is dropped)."""
+        if first:
+            self._flat, self._flat_filled = None, 0
+        s = self._slot_of.get(id(param))
+        if s is None or self.param(s) is not param:
+            self._slot_of = {id(self.param(x)): x for x in self.slots}
+            s = self._slot_of[id(param)]
+        if param.grad is None:
+            raise RuntimeError(f"{s.name} received no gradient in this backward")
+        grad = param.grad if s.tp is None else _local_grad(param.grad, s.tp)
+        if self.deg.g == 1:
+            self.g_shard[s.offset:s.offset + s.numel].add_(grad.reshape(-1))
+        else:
+            if self._flat is None:
+                self._flat = torch.empty(self.layout.padded, dtype=self.grad_dtype, device=self.device)
+                self._flat_filled = 0
+            self._flat[s.offset:s.offset + s.numel].copy_(grad.reshape(-1))
+            self._flat_filled += 1
+        param.grad = None
+
+    def take_flat_grads(self) -> torch.Tensor | None:
+        """After the unit's last take_grad: the flat buffer for launch_grad_reduce (padding zeroed), or
+        None with g = 1 (already in the G shard)."""
+        if self.deg.g == 1:
+            return None
+        flat, filled, self._flat = self._flat, self._flat_filled, None
+        if flat is None or filled != len(self.slots):
+            raise RuntimeError(f"unit {self.name}: {filled} of {len(self.slots)} gradients arrived in this backward")
+        used = self.slots[-1].offset + self.slots[-1].numel
+        flat[used:].zero_()
         return flat
 
     def launch_grad_reduce(self, flat: torch.Tensor) -> None:
-        if self.deg.g == 1:
-            self.g_shard.add_(flat)  # the local shard is the whole buffer: nothing to send
-            return
+        """Reduce-scatter take_flat_grads' buffer over the G group (g > 1)."""
         with self.comm.permute_timer():
             send = self.layout.grad_send_order(flat)
         out = torch.empty(self.layout.g_size, dtype=self.grad_dtype, device=self.device)

@@ -2,7 +2,9 @@
 launched in forward order, with the spread synchronous or overlapping the next forward; training
 still equals single-process training (fp32, 20 steps, 1e-5); the in-flight bytes stay within the
 planner's memory term; checkpoint loading goes through the same window; the optimizer makes one
-host sync per step on the real engine too.
+host sync per step on the real engine too. In the same spawned group (g = 1 and g = 2): every gradient
+leaves autograd in its own post-accumulate hook, so no unit's gradient is ever held twice (the
+autograd tensors beside the flat copy).
 
 FlatUnit.launch_spread / finish_spread are wrapped in the spawned ranks to record what is in flight.
 """
@@ -83,6 +85,20 @@ def _count_host_syncs(eng: AMSPEngine, calls: list) -> None:
     eng.optim.step = counted_step
 
 
+def _watch_held_grads(eng: AMSPEngine) -> list[int]:
+    """After the engine's own post-accumulate hook on every parameter, record how many parameters of the
+    model still hold a .grad (the engine's hooks were registered first, so they have run)."""
+    params = [u.param(s) for u in eng.units for s in u.slots]
+    most = [0]
+
+    def after(_param):
+        most[0] = max(most[0], sum(p.grad is not None for p in params))
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(after)
+    return most
+
+
 def _run(rank: int, world: int, cases: list[dict], ref: dict) -> list[dict]:
     torch.set_num_threads(1)
     topo = Topology(world, RPN)
@@ -95,6 +111,7 @@ def _run(rank: int, world: int, cases: list[dict], ref: dict) -> list[dict]:
                              optim=C.SETTINGS)
         eng = AMSPEngine(C.model_cfg(), Plan(deg, deg, name="test"), topo, rank, seed=C.SEED, options=opts)
         names = [u.name for u in eng.units]
+        held = _watch_held_grads(eng)
         syncs: list = []
         _count_host_syncs(eng, syncs)
         losses = []
@@ -118,7 +135,7 @@ def _run(rank: int, world: int, cases: list[dict], ref: dict) -> list[dict]:
             assert torch.equal(a.p_shard, b.p_shard), f"rank {rank} {case}: reloaded {a.name} differs"
         out.append({"case": case, "losses": losses, "max_units": probe.max_units, "max_bytes": probe.max_bytes,
                     "launch_order": train_order, "names": names, "pending_after_step": pending_after_step,
-                    "transient": [u.spread_transient_bytes() for u in eng.units]})
+                    "transient": [u.spread_transient_bytes() for u in eng.units], "held_grads": held})
     return out
 
 
@@ -149,6 +166,7 @@ def test_spread_window_bounds_in_flight_spreads_and_keeps_equality():
             term, unit_max = _planner_spread_term(case["blocks"], w)
             assert max(r["transient"]) == unit_max, f"{where}: unit transient {r['transient']} vs planner {unit_max}"
             assert 0 < r["max_bytes"] <= term, f"{where}: {r['max_bytes']} bytes in flight > planner term {term}"
+            assert r["held_grads"] == [0], f"{where}: {r['held_grads'][0]} gradients left with autograd"
     for i, case in enumerate(cases):
         for step in range(STEPS):
             mean = sum(per_rank[i]["losses"][step] for per_rank in results) / WORLD
