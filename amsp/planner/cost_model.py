@@ -46,7 +46,8 @@ they move.
 
 Memory per rank is the peak over two phases, not the sum of every part: the model states (P, G, OS
 by their degrees) are held throughout; forward/backward adds the largest set of simultaneously
-gathered units, the activations and the gradient buckets; the optimizer step adds the OS-shard
+gathered units, the activations and the gradient buckets (or, where larger, the unfused loss backward's
+transient on the last stage, which runs before any gradient exists); the optimizer step adds the OS-shard
 gradients held from the sync to the update (grad_sync), when the activations are gone; the
 parameter spread's window joins forward/backward when it overlaps the next forward
 (Options.overlap_spread), else the step (evaluate() books the overlap as a negative step_reuse). On top, an explicit
@@ -291,7 +292,11 @@ class CostModel:
         return max(sum(self._numel[r] for r in pair[:2]) for pair in self.buffer_pairs()) * self._gb
 
     def constant_memory(self) -> dict:
-        return {"activations": self.w.activation_bytes(), "buckets": self.grad_buffer_bytes()}
+        """Activations (with tp > 1 the vocabulary-parallel loss's forward transient); buckets: the
+        larger of the gradient pair and the loss backward's transient, which runs before any
+        gradient exists (workload.py)."""
+        return {"activations": self.w.activation_bytes() + self.w.parallel_loss_transient_bytes(),
+                "buckets": max(self.grad_buffer_bytes(), self.w.loss_backward_transient_bytes())}
 
     # ---- pricing ----
     def price(self, phase, kind, unit, n, k, m, nbytes, count, shares=(1.0,)) -> Priced:

@@ -145,6 +145,19 @@ class Workload:
             return 0.0
         return self.tokens_per_micro_batch * self.model.vocab_size / self.tp * 4
 
+    def loss_backward_transient_bytes(self, pipelined: bool | None = None) -> float:
+        """The unfused cross-entropy's backward on the last stage, before any parameter gradient
+        exists: its fp32 working tensors of the local logits' size, 2 for the plain cross-entropy
+        (pp > 1: the pipeline's loss function) and 3 under DTensor's loss_parallel (tp > 1). RSS of
+        the last stage of train.py runs (dim 768, V 32000, T 512, fp32; scripts/bench/joint_memory_caps.py
+        traced by phase): 126 MiB at tp 1 (2.0 local logits), 98 MiB at tp 2 (3.1). With tp = pp = 1
+        the head computes the loss itself, by default through the fused linear + cross-entropy, which
+        never holds the logits (its chunked transient is not priced). `pipelined` overrides pp > 1 (the
+        joint planner prices each stage with a pp = 1 workload)."""
+        if self.tp == 1 and not (self.pp > 1 if pipelined is None else pipelined):
+            return 0.0
+        return self.tokens_per_micro_batch * self.model.vocab_size / self.tp * 4 * (3 if self.tp > 1 else 2)
+
     def activation_bytes(self) -> float:
         """Peak activation bytes on one rank: stored layers of the in-flight micro-batches, the
         head, and under recomputation one layer's full set while it is recomputed."""

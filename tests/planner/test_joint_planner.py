@@ -130,6 +130,33 @@ def test_one_stage_memory_is_the_amsp_planners(precision, overlap_spread):
         assert joint == pytest.approx(amsp, rel=0.01), (deg, joint, amsp)
 
 
+def test_last_stage_prices_the_unfused_loss_backward():
+    """The cross-entropy's backward runs before any gradient exists and holds fp32 tensors of the local
+    logits' size: 2 for the pipeline's plain loss (pp > 1), 3 under loss_parallel (tp > 1), none where the
+    head computes the loss itself (tp = pp = 1: the fused path). On the last stage it stands in for the
+    gradient pair when larger; other stages are unchanged."""
+    from amsp.plan import Degrees
+    from amsp.planner.workload import Workload
+
+    cfg = get_preset("tiny").with_overrides(dim=256, n_layers=4, vocab_size=32000)
+    prec = Precision.named("fp32")
+    logits = 2 * 256 * 32000 * 4  # mbs 2 x seq 256 tokens x V, fp32
+    assert Workload(cfg, 256, 2, 4, prec).loss_backward_transient_bytes() == 0
+    assert Workload(cfg, 256, 2, 4, prec, pp=2).loss_backward_transient_bytes() == 2 * logits
+    assert Workload(cfg, 256, 2, 4, prec, tp=2).loss_backward_transient_bytes() == 3 * logits / 2
+    cluster = from_spec(load_preset("a100x8", 1))
+    parts = {}
+    for tp, pp in ((1, 1), (1, 2), (2, 1)):
+        s = Setting(cfg, 256, prec, tp, pp, 8 // (tp * pp), 2, 4, {}, memory_margin=0.0, reserved_bytes=0.0)
+        pricer = _Candidate(s, cluster).pricers[0]
+        parts[tp, pp] = {head: pricer.memory(2, not head, head, Degrees(1, 1, 1), False, 1)[1]["buffers"]
+                         for head in (False, True)}
+    pair = parts[1, 1][True]
+    assert pair < 2 * logits
+    assert parts[1, 2][True] == 2 * logits and parts[2, 1][True] == 3 * logits / 2
+    assert parts[1, 2][False] == parts[1, 1][False]  # no head, no loss
+
+
 def test_stage_blocks_inverts_split_bounds():
     """Blocks per stage <-> unit boundaries (embedding first, head last): what a benchmark hands train.py
     as parallel.layer_split is the split the planner priced."""

@@ -156,6 +156,7 @@ class StagePricer:
         self.layer_act = {False: w.layer_activation_bytes(), True: wf.layer_activation_bytes()}
         self.head_act = w.head_activation_bytes()
         self.loss_transient = w.parallel_loss_transient_bytes()
+        self.loss_backward = w.loss_backward_transient_bytes(pipelined=s.pp > 1)
 
     # ---- compute ----
     def compute_s(self, n_blocks: int, embed: bool, head: bool, recompute: bool) -> float:
@@ -169,7 +170,8 @@ class StagePricer:
         """Peak bytes of one rank of the stage, the AMSP planner's accounting (cost_model.py) over the
         stage's units: model states throughout, then the larger of two phases. Forward/backward: the
         largest pair of units gathered together (current + prefetched, forward order), a pair's flat
-        gradients on their way to the reduce-scatter, the activations of the micro-batches in flight
+        gradients on their way to the reduce-scatter (on the last stage the loss backward's transient
+        where that is larger), the activations of the micro-batches in flight
         (1F1B) and, with tensor parallelism, the vocabulary-parallel loss's transients. The optimizer
         step: the OS-shard gradients held from the sync to the update. The parameter spread's window
         joins the phase it runs in."""
@@ -182,7 +184,9 @@ class StagePricer:
         pairs = [order[i] + order[i + 1] for i in range(len(order) - 1)] or [order[0]]
         gathered_units = pe + 2 * pb if tied_here and n_blocks >= 2 else max(pairs)
         gathered = gathered_units * prec.param_bytes if deg.p > 1 else 0.0
-        buckets = max(pairs) * prec.grad_bytes
+        # the gradient pair, or on the last stage the loss backward's transient if larger (it runs
+        # before any gradient exists)
+        buckets = max(max(pairs) * prec.grad_bytes, self.loss_backward if head else 0.0)
         own_sync = deg.os > deg.g or prec.grad_bytes != 4  # else the OS gradient is a view of the G shard
         grad_sync = params / deg.os * 4 if own_sync else 0.0
         cast = 0.0 if prec.master_is_weights else 1 / deg.os
