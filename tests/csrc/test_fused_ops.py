@@ -142,6 +142,23 @@ def test_linear_cross_entropy_edge_cases(native_ext):
         torch.testing.assert_close(fused.linear_cross_entropy(h, w, t), lm_loss(F.linear(h, w)[None], t[None]))
 
 
+def test_linear_cross_entropy_backward_allocates_no_vocab_sized_tensor(native_ext):
+    """The forward already holds both gradients; the backward hands them over. Autograd used to
+    materialise a zero gradient for the op's grad_w output (a vocab x dim tensor) at the backward, the
+    peak of a pp 1 training step's backward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    v, d = 4096, 256
+    w = torch.nn.Parameter(torch.randn(v, d) * 0.02)
+    h = torch.randn(64, d, requires_grad=True)
+    loss = fused.linear_cross_entropy(h, w, torch.randint(0, v, (64,)))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        (loss / 4).backward()
+    big = [(e.name, e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage >= v * d * 4]
+    assert not big, big
+    assert w.grad.shape == (v, d) and h.grad.shape == h.shape
+
+
 def test_ops_take_weights_at_call_time(native_ext):
     # A weight that is a view into a flat buffer (as the data-parallel engine lays them out) works,
     # and replacing the buffer's contents changes the result: nothing is cached.
