@@ -250,7 +250,7 @@ class AMSPEngine:
                 mod.register_forward_pre_hook(partial(self._pre_forward, u, nxt if j == 0 else None))
                 mod.register_forward_hook(partial(self._post_forward, u, j == len(u.modules) - 1))
             for s in u.slots:
-                u.param(s).register_post_accumulate_grad_hook(partial(self._grad_ready, u))
+                u.param(s).register_post_accumulate_grad_hook(partial(self._grad_ready, u, s))
         self._bwd_next = {id(u): self._next_in_chunk(self._bwd_order, i) for i, u in enumerate(self._bwd_order)}
 
     def _log_choices(self) -> None:
@@ -348,9 +348,9 @@ class AMSPEngine:
         if first and nxt is not None and self.options.prefetch and id(nxt) not in st["done"]:
             nxt.start_gather("backward")
 
-    def _grad_ready(self, u: FlatUnit, param) -> None:
+    def _grad_ready(self, u: FlatUnit, slot, param) -> None:
         st = self._state_of(u)
-        u.take_grad(param, first=st["waiting"][id(u)] == len(u.slots))
+        u.take_grad(slot, param, first=st["waiting"][id(u)] == len(u.slots))
         left = st["waiting"][id(u)] - 1
         st["waiting"][id(u)] = left
         if left:

@@ -72,7 +72,6 @@ class FlatUnit:
         # OS-local ranges left out of the gradient norm (TP-replicated copies on TP ranks other than 0)
         self.norm_excluded = self._segments_where(lambda slot: not slot.norm_counted)
         self.replicas = world // deg.os  # ranks holding the same OS shard
-        self._slot_of: dict[int, ParamSlot] = {}  # id(parameter) -> slot, rebuilt when a parameter is replaced
         self._flat, self._flat_filled = None, 0  # this micro-batch's reduce-scatter input while grads arrive
         if deg.p > 1:
             self.full = torch.empty(lay.padded, dtype=compute_dtype, device=device)
@@ -160,7 +159,7 @@ class FlatUnit:
         self.gathered = False
 
     # ---- gradients ----
-    def take_grad(self, param: nn.Parameter, first: bool) -> None:
+    def take_grad(self, s: ParamSlot, param: nn.Parameter, first: bool) -> None:
         """One parameter's gradient for this micro-batch leaves autograd as soon as it is accumulated
         (the engine's post-accumulate hook), so a unit's gradient is never held twice. With g = 1 it
         is added straight into the G shard (the whole buffer: nothing to send); otherwise it is copied
@@ -170,10 +169,6 @@ class FlatUnit:
         unit's first gradient of this backward (a buffer left by an interrupted one is dropped)."""
         if first:
             self._flat, self._flat_filled = None, 0
-        s = self._slot_of.get(id(param))
-        if s is None or self.param(s) is not param:
-            self._slot_of = {id(self.param(x)): x for x in self.slots}
-            s = self._slot_of[id(param)]
         if param.grad is None:
             raise RuntimeError(f"{s.name} received no gradient in this backward")
         grad = param.grad if s.tp is None else _local_grad(param.grad, s.tp)
@@ -182,7 +177,6 @@ class FlatUnit:
         else:
             if self._flat is None:
                 self._flat = torch.empty(self.layout.padded, dtype=self.grad_dtype, device=self.device)
-                self._flat_filled = 0
             self._flat[s.offset:s.offset + s.numel].copy_(grad.reshape(-1))
             self._flat_filled += 1
         param.grad = None
