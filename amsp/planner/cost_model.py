@@ -46,8 +46,9 @@ they move.
 
 Memory per rank is the peak over two phases, not the sum of every part: the model states (P, G, OS
 by their degrees) are held throughout; forward/backward adds the largest set of simultaneously
-gathered units, the activations and the gradient buckets (or, where larger, the unfused loss backward's
-transient on the last stage, which runs before any gradient exists); the optimizer step adds the OS-shard
+gathered units, the activations and the gradient buckets (a pair of units' flat reduce-scatter
+buffers when g > 1, one parameter's autograd gradient when g = 1; or, where larger, the unfused loss
+backward's transient on the last stage, which runs before any gradient exists); the optimizer step adds the OS-shard
 gradients held from the sync to the update (grad_sync), when the activations are gone; the
 parameter spread's window joins forward/backward when it overlaps the next forward
 (Options.overlap_spread), else the step (evaluate() books the overlap as a negative step_reuse). On top, an explicit
@@ -183,6 +184,7 @@ class GroupCost:
     state_bytes: int
     gathered_bytes: dict  # role -> bytes of one gathered unit (0 when p = 1)
     spread_bytes: dict  # role -> bytes one unit's in-flight parameter spread holds (0 when os = p)
+    bucket_bytes: dict  # role -> bytes one unit's gradients hold on their way to the G shard
     parts: dict = field(default_factory=dict)  # params / grads / optim / grad_sync bytes
     exposed_by_phase: dict = field(default_factory=dict)
     sync_bytes: int = 0  # grad_sync: held at the optimizer step only (not in state_bytes)
@@ -287,16 +289,25 @@ class CostModel:
             return [("embedding",) + two_blocks]
         return [("embedding", "block"), ("block", "head")] + ([two_blocks] if self.w.layers >= 2 else [])
 
-    def grad_buffer_bytes(self) -> float:
-        """A unit's full gradient in flight to its reduce-scatter while the next one is produced."""
-        return max(sum(self._numel[r] for r in pair[:2]) for pair in self.buffer_pairs()) * self._gb
+    def grad_bucket_bytes(self, role: str, deg: Degrees) -> int:
+        """What one unit's gradients hold on their way out of autograd (amsp.flat_unit take_grad): with
+        g > 1 the unit's flat reduce-scatter buffer (in flight while the next unit's fills: pairs, as
+        buffer_pairs); with g = 1 each gradient is added into the G shard in its own hook, so only one
+        parameter's autograd gradient (compute dtype) at a time. The fused head's weight gradient is
+        the d/dW its forward kept (priced with the head's activations)."""
+        if deg.g > 1:
+            return padded_numel(self._numel[role], deg) * self._gb
+        return self.w.largest_param_numel(role) * self._pb
+
+    def peak_grad_buckets(self, buckets: dict) -> float:
+        """The largest pair of units' gradient buckets, or on the last stage the unfused loss backward's
+        transient where larger (it runs before any parameter gradient exists)."""
+        pair = max(sum(buckets[r] for r in p[:2]) for p in self.buffer_pairs())
+        return max(pair, self.w.loss_backward_transient_bytes())
 
     def constant_memory(self) -> dict:
-        """Activations (with tp > 1 the vocabulary-parallel loss's forward transient); buckets: the
-        larger of the gradient pair and the loss backward's transient, which runs before any
-        gradient exists (workload.py)."""
-        return {"activations": self.w.activation_bytes() + self.w.parallel_loss_transient_bytes(),
-                "buckets": max(self.grad_buffer_bytes(), self.w.loss_backward_transient_bytes())}
+        """Activations, with tp > 1 the vocabulary-parallel loss's forward transient (workload.py)."""
+        return {"activations": self.w.activation_bytes() + self.w.parallel_loss_transient_bytes()}
 
     # ---- pricing ----
     def price(self, phase, kind, unit, n, k, m, nbytes, count, shares=(1.0,)) -> Priced:
@@ -416,7 +427,7 @@ class CostModel:
 
     def group_cost(self, group: str, deg: Degrees) -> GroupCost:
         exposed, parts, by_phase, gathered = 0.0, dict.fromkeys(STATE_PARTS, 0), {}, {}
-        spread = {}
+        spread, buckets = {}, {}
         comm = 0.0
         for role, count in self.roles_of(group):
             comm += count * sum(x.seconds * x.count for x in self._role_collectives(role, deg).values())
@@ -427,8 +438,9 @@ class CostModel:
                 parts[part] += count * b
             gathered[role] = self.gathered_bytes(role, deg)
             spread[role] = self.spread_bytes(role, deg)
+            buckets[role] = self.grad_bucket_bytes(role, deg)
         resident = sum(v for k, v in parts.items() if k != "grad_sync")
-        return GroupCost(exposed, comm, resident, gathered, spread, parts, by_phase, parts["grad_sync"])
+        return GroupCost(exposed, comm, resident, gathered, spread, buckets, parts, by_phase, parts["grad_sync"])
 
     def peak_gathered(self, gathered: dict) -> int:
         """Largest pair of simultaneously gathered units (role -> bytes of one gathered unit)."""
@@ -441,7 +453,7 @@ class CostModel:
         collectives: list[Priced] = []
         exposed = {}
         parts = dict.fromkeys(STATE_PARTS, 0)
-        gathered = {}
+        gathered, buckets = {}, {}
         spread = 0
         for unit, role in self.w.unit_roles():
             deg = plan.for_group(unit.group)
@@ -451,11 +463,13 @@ class CostModel:
             for part, b in self.state_parts(role, deg).items():
                 parts[part] += b
             gathered[role] = self.gathered_bytes(role, deg)
+            buckets[role] = self.grad_bucket_bytes(role, deg)
             spread = max(spread, self.spread_bytes(role, deg))
         collectives += self.grad_norm()
         memory = dict(parts)
         memory["gathered"] = self.peak_gathered(gathered)
         memory["spread"] = self.spread_window * spread
+        memory["buckets"] = self.peak_grad_buckets(buckets)
         memory.update(self.constant_memory())
         # The peak is the larger of two phases, not the sum of everything: forward/backward holds the
         # activations, gathered units and gradient buckets; the optimizer step holds the OS-shard

@@ -18,16 +18,18 @@ from .terms import GroupTerms
 class Choice:
     plan: Plan
     step_time_s: float  # the objective: constant + both groups' exposed seconds
-    memory_bytes: float  # model states + gathered pair + spread window + constant parts (no margin)
+    memory_bytes: float  # model states + gathered pair + gradient buckets + spread window + constants (no margin)
 
 
 def grid(t: GroupTerms) -> tuple[np.ndarray, np.ndarray]:
     """(step time, memory) over [blocks candidate, embed_head candidate]."""
     time = t.constant_s + t.exposed_s[0][:, None] + t.exposed_s[1][None, :]
     gathered = None
+    buckets = t.bucket_floor
     for pair in t.pairs:
         term = sum(_role_axis(t, r) for r in pair)
         gathered = term if gathered is None else np.maximum(gathered, term)
+        buckets = np.maximum(buckets, sum(_role_axis(t, r, t.buckets) for r in pair[:2]))
     spread = None
     for role in t.spread:
         term = _role_axis(t, role, t.spread)
@@ -35,7 +37,7 @@ def grid(t: GroupTerms) -> tuple[np.ndarray, np.ndarray]:
     # the larger phase: forward/backward transients or the optimizer step's OS-shard gradients
     step = t.sync_bytes[0][:, None] + t.sync_bytes[1][None, :]
     spread = t.spread_window * spread  # in the phase where the spread is in flight
-    fb = t.constant_bytes + gathered + (spread if t.spread_in_forward else 0)
+    fb = t.constant_bytes + gathered + buckets + (spread if t.spread_in_forward else 0)
     memory = t.state_bytes[0][:, None] + t.state_bytes[1][None, :] + np.maximum(
         fb, step + (0 if t.spread_in_forward else spread))
     return time, memory

@@ -67,7 +67,9 @@ def _precision(cfg: DictConfig, cluster: ClusterSpec) -> Precision:
                      grad_bytes=4 if grad == "auto" else Precision.named(grad).grad_bytes)
 
 
-def workload_from_config(cfg: DictConfig, cluster: ClusterSpec) -> Workload:
+def workload_from_config(cfg: DictConfig, cluster: ClusterSpec, fused_loss: bool | None = None) -> Workload:
+    """`fused_loss`: whether the head's loss runs fused on the run's device (train.py's startup knows,
+    models.llama.fused.loss_runs_fused); None assumes it does wherever model.fused allows."""
     p = planner_config(cfg)
     model = to_llama_config(cfg.model)
     dp_world = cluster.world // (p.tp * p.pp)
@@ -76,7 +78,7 @@ def workload_from_config(cfg: DictConfig, cluster: ClusterSpec) -> Workload:
     return Workload(model=model, seq_len=cfg.data.seq_len, micro_batch_size=cfg.trainer.micro_batch_size,
                     micro_batches=micro_batches(cfg, dp_world),
                     precision=_precision(cfg, cluster),
-                    recompute=model.activation_checkpointing, tp=p.tp, pp=p.pp)
+                    recompute=model.activation_checkpointing, tp=p.tp, pp=p.pp, fused_loss=fused_loss)
 
 
 def host_memory_bytes() -> int:

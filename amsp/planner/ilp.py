@@ -3,10 +3,11 @@
 Variables: x[g, c] binary, one per unit group g (blocks, embed_head) and valid triple c
 (amsp.plan.enumerate_degrees is the pre-filter for the ordering, divisibility and fill-a-node rules),
 with sum_c x[g, c] = 1; a continuous z >= the bytes of every pair of simultaneously gathered units
-(current + prefetched next), which linearises that max exactly, and a continuous y >= every role's
-in-flight spread bytes (the largest unit's spread, times the window W).
+(current + prefetched next), which linearises that max exactly, a continuous u >= every pair of
+units' gradient buckets and >= the loss backward's transient (bucket_floor), and a continuous y >=
+every role's in-flight spread bytes (the largest unit's spread, times the window W).
 Memory (every rank holds the same shards), the peak of two phases, each within the budget:
-    forward/backward: sum_{g,c} x[g,c] * state_bytes[g,c] + z + activations + buckets [+ W * y] <= budget
+    forward/backward: sum_{g,c} x[g,c] * state_bytes[g,c] + z + u + activations [+ W * y] <= budget
     optimizer step:   sum_{g,c} x[g,c] * (state_bytes[g,c] + sync_bytes[g,c]) [+ W * y] <= budget
 and, when a model-state budget is given (Options.state_budget_bytes), sum x * state_bytes <= it.
 with the spread window W * y in the forward/backward phase when the spread overlaps the next
@@ -57,6 +58,7 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
     z = prob.add_variable("gathered_gib", lowBound=0)
 
     y = prob.add_variable("spread_unit_gib", lowBound=0)
+    u = prob.add_variable("grad_buckets_gib", lowBound=t.bucket_floor / GIB)
 
     def role_expr(role, per_role):
         gi = t.role_group[role]
@@ -64,10 +66,11 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
 
     for n, pair in enumerate(t.pairs):
         prob += z >= pulp.lpSum(role_expr(r, t.gathered) for r in pair), f"gathered_set_{n}"
+        prob += u >= pulp.lpSum(role_expr(r, t.buckets) for r in pair[:2]), f"grad_buckets_{n}"
     for role in t.spread:
         prob += y >= role_expr(role, t.spread), f"spread_{role}"
     fwd_spread, step_spread = (t.spread_window * y, 0) if t.spread_in_forward else (0, t.spread_window * y)
-    prob += (pulp.lpSum(x[k] * (t.state_bytes[k] / GIB) for k in x) + z + fwd_spread <= budget,
+    prob += (pulp.lpSum(x[k] * (t.state_bytes[k] / GIB) for k in x) + z + u + fwd_spread <= budget,
              "memory_per_rank")
     prob += (pulp.lpSum(x[k] * ((t.state_bytes[k] + t.sync_bytes[k]) / GIB) for k in x) + step_spread
              <= t.budget_bytes / GIB, "memory_at_step")
@@ -95,9 +98,11 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
     i, j = chosen[0], chosen[1]
     step = t.constant_s + t.exposed_s[0, i] + t.exposed_s[1, j]
     gathered = max(sum(t.gathered[r][chosen[t.role_group[r]]] for r in pair) for pair in t.pairs)
+    buckets = max([t.bucket_floor] + [sum(t.buckets[r][chosen[t.role_group[r]]] for r in pair[:2]) for pair in t.pairs])
     spread = t.spread_window * max(t.spread[r][chosen[t.role_group[r]]] for r in t.spread)
     fwd_spread, step_spread = (spread, 0) if t.spread_in_forward else (0, spread)
     memory = (t.state_bytes[0, i] + t.state_bytes[1, j]
-              + max(t.constant_bytes + gathered + fwd_spread, t.sync_bytes[0, i] + t.sync_bytes[1, j] + step_spread))
+              + max(t.constant_bytes + gathered + buckets + fwd_spread,
+                    t.sync_bytes[0, i] + t.sync_bytes[1, j] + step_spread))
     plan = Plan(blocks=t.candidates[i], embed_head=t.candidates[j], name="auto")
     return Choice(plan, float(step), float(memory)), elapsed

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from amsp import control
 from amsp.plan import Plan
 from amsp.topology import Topology
+from models.llama.fused import loss_runs_fused
 
 from .from_config import (cluster_spec, cpu_shared_cores, machine_ranks, options_from_config, planner_config,
                           workload_from_config)
@@ -74,7 +75,7 @@ def plan_for_run(cfg: DictConfig, denv, device: torch.device | str = "cpu",
             cluster = cluster_spec(cfg, nodes=topo.nodes, ranks_per_node=r, local_ranks=denv.local_world_size,
                                    device=device)
             cluster = with_probe(cluster, points, p)
-            box[0] = _solve(cfg, cluster, p, run_dir, profile)
+            box[0] = _solve(cfg, cluster, p, run_dir, profile, loss_runs_fused(model_fused(cfg), device))
         except (NoFeasiblePlan, ValueError, SolverError) as e:  # tell the other ranks, then raise here
             error, box[0] = e, f"{type(e).__name__}: {e}"
     if denv.world_size > 1 and dist.is_initialized():
@@ -131,9 +132,14 @@ def measured_compute(cfg: DictConfig, denv, device: torch.device) -> ComputeProf
                            p.probe_cache, p.overlap_slowdown, cores_shared=cores_shared(device, denv))
 
 
-def _solve(cfg, cluster, p, run_dir, profile: ComputeProfile | None = None) -> PlanOutcome:
+def model_fused(cfg: DictConfig) -> str:
+    return str(OmegaConf.select(cfg, "model.fused", default="auto"))
+
+
+def _solve(cfg, cluster, p, run_dir, profile: ComputeProfile | None = None,
+           fused_loss: bool | None = None) -> PlanOutcome:
     t0 = time.perf_counter()
-    w = workload_from_config(cfg, cluster)
+    w = workload_from_config(cfg, cluster, fused_loss)
     options = options_from_config(cfg, profile)
     res = plan_cluster(w, cluster, options, top_k=p.top_k, time_limit_s=p.time_limit_s)
     columns, rows = res.wandb_table()

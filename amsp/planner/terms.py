@@ -1,11 +1,12 @@
 """The per-group cost terms that both solvers combine, computed once per (model, cluster).
 
-For each unit group and each valid degree triple: exposed seconds, model-state bytes and the bytes
-of one gathered unit per role and of one unit's in-flight parameter spread per role. The step time of
-a plan is `constant_s` plus the two groups' exposed seconds; its memory is the two groups' state
-bytes, the spread window (spread_window times the largest unit's spread transient) and the larger
-of two phases: forward/backward (the largest simultaneously gathered pair of units and the
-degree-independent activations and gradient buckets) or the optimizer step (the OS-shard gradients).
+For each unit group and each valid degree triple: exposed seconds, model-state bytes and, per role,
+the bytes of one gathered unit, of one unit's in-flight parameter spread and of one unit's gradient
+bucket. The step time of a plan is `constant_s` plus the two groups' exposed seconds; its memory is
+the two groups' state bytes, the spread window (spread_window times the largest unit's spread
+transient) and the larger of two phases: forward/backward (the largest simultaneously gathered pair
+of units, the largest pair of gradient buckets or the loss backward's transient `bucket_floor`, and
+the degree-independent activations) or the optimizer step (the OS-shard gradients).
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ class GroupTerms:
     sync_bytes: np.ndarray  # [group index, candidate]: OS-shard gradients held at the optimizer step only
     gathered: dict  # role -> np.ndarray over candidates (bytes of one gathered unit of that role)
     spread: dict  # role -> np.ndarray over candidates (bytes of one unit's in-flight spread)
+    buckets: dict  # role -> np.ndarray over candidates (bytes of one unit's gradient bucket)
+    bucket_floor: float  # the buckets' term is at least this (the unfused loss backward's transient)
     spread_window: int  # units whose spread may be in flight at once
     spread_in_forward: bool  # the spread overlaps the next forward (else it follows the update)
     role_group: dict  # role -> group index
@@ -43,6 +46,7 @@ class GroupTerms:
         sync = np.zeros((len(UNIT_GROUPS), len(cands)))
         gathered: dict = {}
         spread: dict = {}
+        buckets: dict = {}
         role_group: dict = {}
         for gi, group in enumerate(UNIT_GROUPS):
             for ci, d in enumerate(cands):
@@ -53,6 +57,9 @@ class GroupTerms:
                     role_group[role] = gi
                 for role, b in gc.spread_bytes.items():
                     spread.setdefault(role, np.zeros(len(cands)))[ci] = b
-        return cls(cands, exposed, state, sync, gathered, spread, model.spread_window, model.o.overlap_spread, role_group, model.buffer_pairs(),
+                for role, b in gc.bucket_bytes.items():
+                    buckets.setdefault(role, np.zeros(len(cands)))[ci] = b
+        return cls(cands, exposed, state, sync, gathered, spread, buckets, model.w.loss_backward_transient_bytes(),
+                   model.spread_window, model.o.overlap_spread, role_group, model.buffer_pairs(),
                    model.constant_time_s(), sum(model.constant_memory().values()), model.memory_budget(),
                    np.inf if model.o.state_budget_bytes is None else float(model.o.state_budget_bytes))

@@ -20,7 +20,11 @@ With e bytes per element and T = s*b tokens, the tensors autograd keeps are
                                                                             -> (5h + 2h_kv + 2f) e T
   full:      the layer input only (h e T), plus one layer's `none` set while it is recomputed.
 The output head keeps its input and the logits in the compute dtype plus an fp32 copy for the loss:
-(h e + V (e + 4)) T. All divided by tp (sequence parallelism assumed).
+(h e + V (e + 4)) T. All divided by tp (sequence parallelism assumed). Where the head computes the
+loss through the fused linear + cross-entropy (models/llama/fused.py; tp = pp = 1), its forward
+already produces both gradients and keeps them for the backward instead of any logits: d/dW (V h, in
+the weight's dtype) and d/dh (h e T), while it runs one chunk of fp32 logits (fused.default_chunk
+rows of V) and, for a reduced-precision weight, an fp32 copy of W and an fp32 accumulator of d/dW.
 """
 from __future__ import annotations
 
@@ -30,6 +34,8 @@ from amsp.schedule import Precision, Unit
 from models.llama.config import LlamaConfig
 
 RECOMPUTE_MODES = ("none", "full", "selective")
+# models/llama/fused.py default_chunk: about 8M fp32 logits per chunk of the fused head's forward
+FUSED_CHUNK_LOGITS = 1 << 23
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,10 @@ class Workload:
     recompute: str = "none"
     tp: int = 1
     pp: int = 1
+    # The head computes the loss through the fused linear + cross-entropy. None: it does wherever it
+    # can (tp = pp = 1 and model.fused not off); train.py's startup passes what its device runs
+    # (the fused kernel exists for that device), the planner CLI cannot know and assumes it.
+    fused_loss: bool | None = None
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE_MODES:
@@ -50,6 +60,14 @@ class Workload:
             raise ValueError("micro_batches, micro_batch_size and seq_len must be positive")
         if self.model.n_layers % self.pp:
             raise ValueError(f"pipeline degree pp={self.pp} must divide n_layers={self.model.n_layers}")
+
+    @property
+    def head_loss_fused(self) -> bool:
+        """Whether the head's loss runs fused (the pipeline's loss function and DTensor's loss_parallel
+        are never fused)."""
+        if self.tp > 1 or self.pp > 1:
+            return False
+        return self.model.fused != "off" if self.fused_loss is None else self.fused_loss
 
     # ---- units ----
     @property
@@ -82,6 +100,19 @@ class Workload:
 
     def role_numel(self) -> dict:
         return {role: u.numel for u, role in self.unit_roles()}
+
+    def largest_param_numel(self, role: str) -> int:
+        """Elements of the role's largest parameter tensor on this rank (tp-sharded): one autograd
+        gradient of it is what a g = 1 unit holds in its backward (cost_model.grad_bucket_bytes). The
+        fused head's weight gradient is its forward's d/dW, priced with the head's activations."""
+        m = self.model
+        if role == "block":
+            full = m.dim * max(m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.ffn_hidden_dim)
+        elif role == "head" and self.head_loss_fused:
+            return m.dim
+        else:  # the embedding (the tied embedding+head unit too) and an unfused head: vocab x dim
+            full = m.vocab_size * m.dim
+        return -(-full // self.tp)
 
     def params_per_rank(self) -> int:
         return self.embedding_numel + self.layers * self.block_numel + self.head_numel
@@ -133,6 +164,10 @@ class Workload:
 
     def head_activation_bytes(self) -> float:
         m, e, t = self.model, self.act_bytes, self.tokens_per_micro_batch
+        if self.head_loss_fused:
+            rows = min(t, max(1, FUSED_CHUNK_LOGITS // m.vocab_size))  # fused.default_chunk
+            widened = 0 if e == 4 else 2 * m.vocab_size * m.dim * 4  # fp32 W copy and d/dW accumulator
+            return m.vocab_size * m.dim * e + m.dim * e * t + rows * m.vocab_size * 4 + widened
         return (m.dim * e + m.vocab_size * (e + 4)) * t / self.tp
 
     def parallel_loss_transient_bytes(self) -> float:
@@ -150,18 +185,32 @@ class Workload:
         exists: its fp32 working tensors of the local logits' size, 2 for the plain cross-entropy
         (pp > 1: the pipeline's loss function) and 3 under DTensor's loss_parallel (tp > 1). RSS of
         the last stage of train.py runs (dim 768, V 32000, T 512, fp32; scripts/bench/joint_memory_caps.py
-        traced by phase): 126 MiB at tp 1 (2.0 local logits), 98 MiB at tp 2 (3.1). With tp = pp = 1
-        the head computes the loss itself, by default through the fused linear + cross-entropy, which
-        never holds the logits (its chunked transient is not priced). `pipelined` overrides pp > 1 (the
-        joint planner prices each stage with a pp = 1 workload)."""
-        if self.tp == 1 and not (self.pp > 1 if pipelined is None else pipelined):
+        traced by phase): 126 MiB at tp 1 (2.0 local logits), 98 MiB at tp 2 (3.1). The plain
+        cross-entropy of the head itself (tp = pp = 1, fused loss off or without a kernel for the
+        device) holds the same 2. The fused linear + cross-entropy holds no logits in its backward:
+        nothing (its forward's transients are in head_activation_bytes). `pipelined` overrides pp > 1
+        (the joint planner prices each stage with a pp = 1 workload)."""
+        pipelined = self.pp > 1 if pipelined is None else pipelined
+        if self.tp == 1 and not pipelined and self.head_loss_fused:
             return 0.0
         return self.tokens_per_micro_batch * self.model.vocab_size / self.tp * 4 * (3 if self.tp > 1 else 2)
 
+    def pipeline_buffer_bytes(self, first: bool = False, last: bool = False, stages: int | None = None) -> float:
+        """torch.distributed.pipelining's receive buffers, which a stage allocates once per micro-batch
+        of the step and keeps: the activation it receives (all but the first stage) and the gradient
+        of its output (all but the last), each a boundary hidden state (micro-batch x seq/tp x dim,
+        compute dtype; amsp.parallel.pipeline._boundary_shapes). 70B at tp 8 with 64 micro-batches of
+        4096 tokens: 1 GiB per middle stage. Without a stage named, a middle stage's."""
+        if (self.pp if stages is None else stages) < 2:
+            return 0.0
+        hidden = self.tokens_per_micro_batch * self.model.dim * self.act_bytes / self.tp
+        return self.micro_batches * hidden * ((not first) + (not last))
+
     def activation_bytes(self) -> float:
         """Peak activation bytes on one rank: stored layers of the in-flight micro-batches, the
-        head, and under recomputation one layer's full set while it is recomputed."""
+        head, and under recomputation one layer's full set while it is recomputed; with pp > 1 the
+        pipeline's receive buffers (a middle stage's)."""
         in_flight = min(self.pp, self.micro_batches)  # 1F1B: the first stage holds pp micro-batches
         stored = self.layers * in_flight * self.layer_activation_bytes()
         transient = self.layer_activation_bytes("none") if self.recompute != "none" else 0.0
-        return stored + transient + self.head_activation_bytes()
+        return stored + transient + self.head_activation_bytes() + self.pipeline_buffer_bytes()

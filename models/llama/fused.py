@@ -193,6 +193,22 @@ def resolve_fused(requested: str) -> frozenset[str]:
     return chosen
 
 
+def loss_runs_fused(requested: str, device: torch.device | str) -> bool:
+    """Whether a model built with `model.fused=requested` computes its loss on `device` through the
+    fused linear + cross-entropy (the planner prices the head's memory for the path that runs: the
+    fused one keeps d/dW where the eager one keeps logits)."""
+    if "linear_cross_entropy" not in resolve_fused(requested):
+        return False
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return True
+    if kind == "cuda":
+        from csrc.loader import CUDA_EXTENSION
+
+        return CUDA_EXTENSION.lib is not None
+    return False
+
+
 def announce_device(device: torch.device | str) -> None:
     """Log now, outside any compiled region, whether fused ops on `device` get native kernels (the
     per-call check below cannot log from inside a compiled block)."""

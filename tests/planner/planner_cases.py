@@ -19,6 +19,9 @@ def flat_cluster(nodes: int, rpn: int, intra_gbps: float = 100.0, inter_gbps: fl
 
 
 def workload(model: str | LlamaConfig = "debug", seq_len: int = 64, mbs: int = 2, micro_batches: int = 2,
-             precision: str = "bf16", recompute: str = "none", tp: int = 1, pp: int = 1) -> Workload:
+             precision: str = "bf16", recompute: str = "none", tp: int = 1, pp: int = 1,
+             fused_loss: bool | None = None, model_overrides: dict | None = None) -> Workload:
     cfg = get_preset(model) if isinstance(model, str) else model
-    return Workload(cfg, seq_len, mbs, micro_batches, Precision.named(precision), recompute, tp, pp)
+    if model_overrides:
+        cfg = cfg.with_overrides(**model_overrides)
+    return Workload(cfg, seq_len, mbs, micro_batches, Precision.named(precision), recompute, tp, pp, fused_loss)

@@ -103,3 +103,71 @@ def test_measured_feasible_plans_fit(tmp_path):
         cost = CostModel(w, flat_cluster(1, 2, memory_gib=device / 2**30), o).evaluate(Plan(deg, deg, name="x"))
         assert cost.fits, row
 
+
+
+def test_gradient_buckets_follow_the_gradient_degree():
+    """g > 1: a pair of units' flat reduce-scatter buffers (grad dtype); g = 1: each gradient is added
+    into the G shard in its own hook (amsp.flat_unit take_grad), so one parameter's autograd gradient
+    per unit (compute dtype): the fused head's weight gradient is its forward's d/dW, already priced
+    with the head's activations. The ILP and the grid agree with evaluate() on mixed degrees."""
+    from amsp.plan import Degrees, Plan
+
+    w = workload("tiny", seq_len=128, mbs=2, micro_batches=2, precision="bf16")
+    m, cfg = CostModel(w, flat_cluster(1, 8), Options()), w.model
+    ffn = cfg.dim * cfg.ffn_hidden_dim
+    vocab = cfg.vocab_size * cfg.dim
+    assert w.head_loss_fused and w.largest_param_numel("head") == cfg.dim
+    g1 = m.evaluate(Plan(Degrees(1, 1, 8), Degrees(1, 1, 8), name="x")).memory["buckets"]
+    assert g1 == (vocab + ffn) * 2  # embedding's table + a block's largest matrix, bf16 autograd gradients
+    g8 = m.evaluate(Plan(Degrees(1, 8, 8), Degrees(1, 8, 8), name="x")).memory["buckets"]
+    assert g8 == pytest.approx((w.embedding_numel + w.block_numel) * w.precision.grad_bytes, rel=1e-3)  # flat buffers
+    assert g1 < g8
+    t = GroupTerms.build(m)
+    _, memory = grid(t)
+    for i, b in enumerate(t.candidates):
+        for j, e in enumerate(t.candidates):
+            cost = m.evaluate(Plan(blocks=b, embed_head=e, name="x"))
+            assert cost.memory_total - cost.memory["reserved"] == pytest.approx(memory[i, j], rel=1e-9)
+    unfused = workload("tiny", seq_len=128, mbs=2, micro_batches=2, precision="bf16", fused_loss=False)
+    assert unfused.largest_param_numel("head") == vocab
+
+
+def test_head_memory_follows_the_loss_path_that_runs():
+    """The fused linear + cross-entropy keeps d/dW and d/dh (and runs one fp32 chunk of logits) where the
+    eager head keeps the logits twice and its backward holds 2 more fp32 logits (tp = pp = 1)."""
+    from amsp.planner.workload import FUSED_CHUNK_LOGITS
+
+    fused = workload("tiny", seq_len=256, mbs=2, micro_batches=1, precision="fp32")
+    eager = workload("tiny", seq_len=256, mbs=2, micro_batches=1, precision="fp32", fused_loss=False)
+    m, t = fused.model, 512
+    rows = min(t, FUSED_CHUNK_LOGITS // m.vocab_size)
+    assert fused.head_activation_bytes() == m.vocab_size * m.dim * 4 + m.dim * 4 * t + rows * m.vocab_size * 4
+    assert eager.head_activation_bytes() == (m.dim * 4 + m.vocab_size * 8) * t
+    assert fused.loss_backward_transient_bytes() == 0
+    assert eager.loss_backward_transient_bytes() == 2 * t * m.vocab_size * 4
+    off = workload("tiny", seq_len=256, mbs=2, micro_batches=1, precision="fp32",
+                   model_overrides={"fused": "off"})
+    assert not off.head_loss_fused  # model.fused=off: the eager path, whatever the device offers
+    piped = workload("tiny", seq_len=256, mbs=2, micro_batches=1, precision="fp32", pp=2)
+    assert not piped.head_loss_fused  # the pipeline's loss function is never fused
+
+
+def test_pipeline_receive_buffers_are_priced_per_stage():
+    """torch.distributed.pipelining keeps one receive buffer per micro-batch and direction: a middle stage
+    holds both, the first only gradients, the last only activations, pp = 1 none."""
+    from amsp.plan import Degrees
+    from amsp.planner.joint.hetero import from_spec
+    from amsp.planner.joint.search import _Candidate
+    from amsp.planner.joint.stage_cost import Setting
+    from amsp.schedule import Precision
+
+    w = workload("tiny", seq_len=256, mbs=2, micro_batches=8, precision="bf16", tp=2, pp=4)
+    hidden = 2 * 256 * w.model.dim * 2 / 2  # micro-batch x seq x dim, bf16, sequence-parallel over tp 2
+    assert w.pipeline_buffer_bytes() == 8 * hidden * 2
+    assert w.pipeline_buffer_bytes(first=True) == w.pipeline_buffer_bytes(last=True) == 8 * hidden
+    assert workload("tiny", pp=1).pipeline_buffer_bytes() == 0
+    s = Setting(w.model, 256, Precision.named("bf16"), 2, 4, 1, 2, 8, {}, memory_margin=0.0, reserved_bytes=0.0)
+    pricer = _Candidate(s, from_spec(flat_cluster(1, 8))).pricers[0]
+    acts = {(e, h): pricer.memory(2, e, h, Degrees(1, 1, 1), False, 1)[1]["activations"]
+            for e, h in ((False, False), (True, False), (False, True))}
+    assert acts[False, False] - acts[True, False] == pytest.approx(8 * hidden)  # the middle one receives both

@@ -62,8 +62,9 @@ class Setting:
     optimizer_s_per_elem: dict = field(default_factory=dict)
 
     def workload(self, recompute: str = "none") -> Workload:
+        # pp = 1: a stage's own layers (the loss of a pipeline runs in its loss function, never fused)
         return Workload(self.model, self.seq_len, self.micro_batch_size, self.micro_batches, self.precision,
-                        recompute=recompute, tp=self.tp, pp=1)
+                        recompute=recompute, tp=self.tp, pp=1, fused_loss=None if self.pp == 1 else False)
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,11 @@ class StagePricer:
         self.head_act = w.head_activation_bytes()
         self.loss_transient = w.parallel_loss_transient_bytes()
         self.loss_backward = w.loss_backward_transient_bytes(pipelined=s.pp > 1)
+        # the pipeline's receive buffers of one direction (workload.pipeline_buffer_bytes): a stage
+        # without the embedding receives activations, one without the head output gradients
+        self.recv_buffers = w.pipeline_buffer_bytes(first=True, last=False, stages=s.pp)
+        # one parameter's autograd gradient per unit when g = 1 (cost_model.grad_bucket_bytes)
+        self.largest = {role: w.largest_param_numel(role) for role in ("embedding", "block", "head")}
 
     # ---- compute ----
     def compute_s(self, n_blocks: int, embed: bool, head: bool, recompute: bool) -> float:
@@ -170,8 +176,8 @@ class StagePricer:
         """Peak bytes of one rank of the stage, the AMSP planner's accounting (cost_model.py) over the
         stage's units: model states throughout, then the larger of two phases. Forward/backward: the
         largest pair of units gathered together (current + prefetched, forward order), a pair's flat
-        gradients on their way to the reduce-scatter (on the last stage the loss backward's transient
-        where that is larger), the activations of the micro-batches in flight
+        gradients on their way to the reduce-scatter (g = 1: one parameter's gradient per unit; on the
+        last stage the loss backward's transient where that is larger), the activations of the micro-batches in flight
         (1F1B) and, with tensor parallelism, the vocabulary-parallel loss's transients. The optimizer
         step: the OS-shard gradients held from the sync to the update. The parameter spread's window
         joins the phase it runs in."""
@@ -184,16 +190,23 @@ class StagePricer:
         pairs = [order[i] + order[i + 1] for i in range(len(order) - 1)] or [order[0]]
         gathered_units = pe + 2 * pb if tied_here and n_blocks >= 2 else max(pairs)
         gathered = gathered_units * prec.param_bytes if deg.p > 1 else 0.0
-        # the gradient pair, or on the last stage the loss backward's transient if larger (it runs
-        # before any gradient exists)
-        buckets = max(max(pairs) * prec.grad_bytes, self.loss_backward if head else 0.0)
+        # the gradient pair (g = 1: one parameter's autograd gradient per unit), or on the last stage
+        # the loss backward's transient if larger (it runs before any gradient exists)
+        if deg.g > 1:
+            grad_pair = max(pairs) * prec.grad_bytes
+        else:
+            lb, le, lh = self.largest["block"], self.largest["embedding"], self.largest["head"]
+            one = ([le] if embed else []) + [lb] * n_blocks + ([lh] if head and ph else [])
+            grad_pair = max([one[i] + one[i + 1] for i in range(len(one) - 1)] or [one[0]]) * prec.param_bytes
+        buckets = max(grad_pair, self.loss_backward if head else 0.0)
         own_sync = deg.os > deg.g or prec.grad_bytes != 4  # else the OS gradient is a view of the G shard
         grad_sync = params / deg.os * 4 if own_sync else 0.0
         cast = 0.0 if prec.master_is_weights else 1 / deg.os
         spread = 0.0 if deg.os == deg.p else \
             min(s.spread_window, len(order)) * max(order) * (1 / deg.p + cast) * prec.param_bytes
         per_mb = n_blocks * self.layer_act[recompute] + (self.head_act if head else 0.0)
-        acts = in_flight * per_mb + (self.layer_act[False] if recompute else 0.0)
+        acts = (in_flight * per_mb + (self.layer_act[False] if recompute else 0.0)
+                + self.recv_buffers * ((not embed) + (not head)))
         loss = self.loss_transient if head else 0.0
         fwd_bwd = gathered + buckets + acts + loss + (spread if s.overlap_spread else 0.0)
         step = grad_sync + (0.0 if s.overlap_spread else spread)
