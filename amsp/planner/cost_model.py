@@ -299,11 +299,26 @@ class CostModel:
             return padded_numel(self._numel[role], deg) * self._gb
         return self.w.largest_param_numel(role) * self._pb
 
+    def bucket_pair_offsets(self) -> list[float]:
+        """Per buffer_pairs entry, bytes to take off its gradient buckets before they join the
+        activations. The (untied) embedding is the last unit of the backward: its gradient (vocab x dim)
+        and the first block's arrive once the micro-batch's activations are gone, so that pair meets
+        only what is still alive then (workload.activation_bytes_at_embedding_backward) and is charged
+        against the full activations less that. A tied embedding+head unit starts its gradient with the
+        head's, at the start of the backward: no offset. Nor with tp > 1: the vocabulary-parallel
+        embedding's backward holds more than its gradient (the first stage of tp 2 x pp 2 peaks there,
+        63 MiB above this credit's prediction; scripts/bench/joint_memory_caps.py --fidelity)."""
+        if self.w.tp > 1:
+            return [0.0] * len(self.buffer_pairs())
+        credit = self.constant_memory()["activations"] - self.w.activation_bytes_at_embedding_backward()
+        return [credit if pair == ("embedding", "block") else 0.0 for pair in self.buffer_pairs()]
+
     def peak_grad_buckets(self, buckets: dict) -> float:
-        """The largest pair of units' gradient buckets, or on the last stage the unfused loss backward's
+        """The bucket term beside the full activations: the largest pair of units' gradient buckets
+        (the embedding's pair less its offset), or on the last stage the unfused loss backward's
         transient where larger (it runs before any parameter gradient exists)."""
-        pair = max(sum(buckets[r] for r in p[:2]) for p in self.buffer_pairs())
-        return max(pair, self.w.loss_backward_transient_bytes())
+        pairs = [sum(buckets[r] for r in p[:2]) - off for p, off in zip(self.buffer_pairs(), self.bucket_pair_offsets())]
+        return max(max(pairs), self.w.loss_backward_transient_bytes())
 
     def constant_memory(self) -> dict:
         """Activations, with tp > 1 the vocabulary-parallel loss's forward transient (workload.py)."""

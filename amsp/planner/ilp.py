@@ -4,7 +4,8 @@ Variables: x[g, c] binary, one per unit group g (blocks, embed_head) and valid t
 (amsp.plan.enumerate_degrees is the pre-filter for the ordering, divisibility and fill-a-node rules),
 with sum_c x[g, c] = 1; a continuous z >= the bytes of every pair of simultaneously gathered units
 (current + prefetched next), which linearises that max exactly, a continuous u >= every pair of
-units' gradient buckets and >= the loss backward's transient (bucket_floor), and a continuous y >=
+units' gradient buckets (the embedding's pair less its offset: it arrives after the activations are
+gone) and >= the loss backward's transient (bucket_floor), and a continuous y >=
 every role's in-flight spread bytes (the largest unit's spread, times the window W).
 Memory (every rank holds the same shards), the peak of two phases, each within the budget:
     forward/backward: sum_{g,c} x[g,c] * state_bytes[g,c] + z + u + activations [+ W * y] <= budget
@@ -64,9 +65,9 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
         gi = t.role_group[role]
         return pulp.lpSum(x[gi, ci] * (per_role[role][ci] / GIB) for (g, ci) in x if g == gi)
 
-    for n, pair in enumerate(t.pairs):
+    for n, (pair, offset) in enumerate(zip(t.pairs, t.bucket_offsets)):
         prob += z >= pulp.lpSum(role_expr(r, t.gathered) for r in pair), f"gathered_set_{n}"
-        prob += u >= pulp.lpSum(role_expr(r, t.buckets) for r in pair[:2]), f"grad_buckets_{n}"
+        prob += u >= pulp.lpSum(role_expr(r, t.buckets) for r in pair[:2]) - offset / GIB, f"grad_buckets_{n}"
     for role in t.spread:
         prob += y >= role_expr(role, t.spread), f"spread_{role}"
     fwd_spread, step_spread = (t.spread_window * y, 0) if t.spread_in_forward else (0, t.spread_window * y)
@@ -98,7 +99,8 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
     i, j = chosen[0], chosen[1]
     step = t.constant_s + t.exposed_s[0, i] + t.exposed_s[1, j]
     gathered = max(sum(t.gathered[r][chosen[t.role_group[r]]] for r in pair) for pair in t.pairs)
-    buckets = max([t.bucket_floor] + [sum(t.buckets[r][chosen[t.role_group[r]]] for r in pair[:2]) for pair in t.pairs])
+    buckets = max([t.bucket_floor] + [sum(t.buckets[r][chosen[t.role_group[r]]] for r in pair[:2]) - offset
+                                      for pair, offset in zip(t.pairs, t.bucket_offsets)])
     spread = t.spread_window * max(t.spread[r][chosen[t.role_group[r]]] for r in t.spread)
     fwd_spread, step_spread = (spread, 0) if t.spread_in_forward else (0, spread)
     memory = (t.state_bytes[0, i] + t.state_bytes[1, j]

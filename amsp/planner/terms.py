@@ -29,6 +29,7 @@ class GroupTerms:
     spread: dict  # role -> np.ndarray over candidates (bytes of one unit's in-flight spread)
     buckets: dict  # role -> np.ndarray over candidates (bytes of one unit's gradient bucket)
     bucket_floor: float  # the buckets' term is at least this (the unfused loss backward's transient)
+    bucket_offsets: list  # per pair: bytes its buckets are credited (cost_model.bucket_pair_offsets)
     spread_window: int  # units whose spread may be in flight at once
     spread_in_forward: bool  # the spread overlaps the next forward (else it follows the update)
     role_group: dict  # role -> group index
@@ -60,6 +61,7 @@ class GroupTerms:
                 for role, b in gc.bucket_bytes.items():
                     buckets.setdefault(role, np.zeros(len(cands)))[ci] = b
         return cls(cands, exposed, state, sync, gathered, spread, buckets, model.w.loss_backward_transient_bytes(),
+                   model.bucket_pair_offsets(),
                    model.spread_window, model.o.overlap_spread, role_group, model.buffer_pairs(),
                    model.constant_time_s(), sum(model.constant_memory().values()), model.memory_budget(),
                    np.inf if model.o.state_budget_bytes is None else float(model.o.state_budget_bytes))

@@ -206,6 +206,14 @@ class Workload:
         hidden = self.tokens_per_micro_batch * self.model.dim * self.act_bytes / self.tp
         return self.micro_batches * hidden * ((not first) + (not last))
 
+    def activation_bytes_at_embedding_backward(self) -> float:
+        """What is alive when the embedding's gradient arrives, the last of a micro-batch's backward:
+        the other micro-batches in flight (1F1B keeps pp of them on the first stage) and the pipeline's
+        buffers; with pp = 1 nothing of the activations."""
+        in_flight = min(self.pp, self.micro_batches)
+        per_mb = self.layers * self.layer_activation_bytes() + self.head_activation_bytes()
+        return (in_flight - 1) * per_mb + self.pipeline_buffer_bytes()
+
     def activation_bytes(self) -> float:
         """Peak activation bytes on one rank: stored layers of the in-flight micro-batches, the
         head, and under recomputation one layer's full set while it is recomputed; with pp > 1 the

@@ -45,7 +45,10 @@ MODEL = ["model=tiny", "model.dim=768", "model.n_layers=8", "model.n_heads=12", 
          "model.vocab_size=32000", "model.max_seq_len=256", "data.seq_len=256", "trainer.global_batch_size=8"]
 CONFIGS = [(1, 1, d, 1) for d in ((1, 1, 1), (1, 1, 4), (1, 4, 4), (4, 4, 4))] + [
     (1, 1, (1, 1, 1), 2), (1, 1, (2, 2, 2), 2), (1, 1, (4, 4, 4), 2), (2, 1, (1, 1, 1), 2), (2, 1, (2, 2, 2), 2),
-    (1, 2, (1, 1, 1), 2), (2, 2, (1, 1, 1), 2), (1, 4, (1, 1, 1), 2)]
+    (1, 2, (1, 1, 1), 2), (2, 2, (1, 1, 1), 2), (1, 4, (1, 1, 1), 2)] + [
+    # added 2026-11-25 (indices 12-19): one boundary run decides the precision of 12, so more plans
+    (1, 1, (1, 2, 2), 1), (1, 1, (2, 2, 4), 1), (1, 1, (1, 1, 2), 2), (1, 1, (2, 4, 4), 2),
+    (2, 1, (1, 1, 2), 2), (2, 1, (1, 2, 2), 2), (1, 2, (2, 2, 2), 2), (1, 2, (1, 1, 2), 2)]
 
 
 def mark_build_start(out_path: str) -> None:

@@ -193,12 +193,16 @@ class StagePricer:
         # the gradient pair (g = 1: one parameter's autograd gradient per unit), or on the last stage
         # the loss backward's transient if larger (it runs before any gradient exists)
         if deg.g > 1:
-            grad_pair = max(pairs) * prec.grad_bytes
+            grad_pairs = [x * prec.grad_bytes for x in pairs]
         else:
             lb, le, lh = self.largest["block"], self.largest["embedding"], self.largest["head"]
             one = ([le] if embed else []) + [lb] * n_blocks + ([lh] if head and ph else [])
-            grad_pair = max([one[i] + one[i + 1] for i in range(len(one) - 1)] or [one[0]]) * prec.param_bytes
-        buckets = max(grad_pair, self.loss_backward if head else 0.0)
+            grad_pairs = [(one[i] + one[i + 1]) * prec.param_bytes for i in range(len(one) - 1)] or \
+                [one[0] * prec.param_bytes]
+        # the (untied, tp = 1) embedding's pair arrives last in the backward, beside only the other
+        # micro-batches in flight and the receive buffers (cost_model.bucket_pair_offsets)
+        emb_pair = grad_pairs.pop(0) if embed and not tied_here and len(order) > 1 and s.tp == 1 else None
+        buckets = max(grad_pairs + [self.loss_backward if head else 0.0])
         own_sync = deg.os > deg.g or prec.grad_bytes != 4  # else the OS gradient is a view of the G shard
         grad_sync = params / deg.os * 4 if own_sync else 0.0
         cast = 0.0 if prec.master_is_weights else 1 / deg.os
@@ -208,7 +212,10 @@ class StagePricer:
         acts = (in_flight * per_mb + (self.layer_act[False] if recompute else 0.0)
                 + self.recv_buffers * ((not embed) + (not head)))
         loss = self.loss_transient if head else 0.0
-        fwd_bwd = gathered + buckets + acts + loss + (spread if s.overlap_spread else 0.0)
+        transient = buckets + acts + loss
+        if emb_pair is not None:
+            transient = max(transient, emb_pair + (in_flight - 1) * per_mb + self.recv_buffers * (not head))
+        fwd_bwd = gathered + transient + (spread if s.overlap_spread else 0.0)
         step = grad_sync + (0.0 if s.overlap_spread else spread)
         tensors = states + max(fwd_bwd, step)
         total = tensors * (1 + s.memory_margin) + s.reserved_bytes
