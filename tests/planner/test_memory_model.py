@@ -48,16 +48,23 @@ def test_spread_joins_the_phase_it_runs_in():
 def test_solvers_never_exclude_a_plan_that_fits(memory_gib, overlap):
     w = workload("tiny", seq_len=128, mbs=2, micro_batches=2, precision="bf16")
     model = CostModel(w, flat_cluster(1, 8, memory_gib=memory_gib), Options(reserved_bytes=0, overlap_spread=overlap))
+    t, memory = grid_matches_evaluate(model)
+    choice, _ = ilp.solve(t)
+    assert (choice is None) == (not (memory <= t.budget_bytes).any())  # the ILP finds a plan whenever one fits
+
+
+def grid_matches_evaluate(model: CostModel):
+    """(terms, memory grid) after checking every plan's memory and fit in the grid against evaluate()."""
+    from amsp.plan import Plan
+
     t = GroupTerms.build(model)
     _, memory = grid(t)
-    from amsp.plan import Plan
     for i, b in enumerate(t.candidates):
         for j, e in enumerate(t.candidates):
             cost = model.evaluate(Plan(blocks=b, embed_head=e, name="x"))
             assert cost.memory_total - cost.memory["reserved"] == pytest.approx(memory[i, j], rel=1e-9)
             assert cost.fits == bool(memory[i, j] <= t.budget_bytes * (1 + 1e-12)), (b, e)
-    choice, _ = ilp.solve(t)
-    assert (choice is None) == (not (memory <= t.budget_bytes).any())  # the ILP finds a plan whenever one fits
+    return t, memory
 
 
 def test_a_plan_fits_in_exactly_its_predicted_need():
@@ -127,12 +134,7 @@ def test_gradient_buckets_follow_the_gradient_degree():
     flat = (w.block_numel + w.head_numel) * w.precision.grad_bytes  # a block's and the head's flat buffers
     assert g8 == pytest.approx(flat, rel=1e-3)
     assert g1 < g8
-    t = GroupTerms.build(m)
-    _, memory = grid(t)
-    for i, b in enumerate(t.candidates):
-        for j, e in enumerate(t.candidates):
-            cost = m.evaluate(Plan(blocks=b, embed_head=e, name="x"))
-            assert cost.memory_total - cost.memory["reserved"] == pytest.approx(memory[i, j], rel=1e-9)
+    grid_matches_evaluate(m)
     tp2 = CostModel(workload("tiny", seq_len=128, mbs=2, micro_batches=2, precision="bf16", tp=2), flat_cluster(1, 8))
     assert not any(tp2.bucket_pair_offsets())  # the vocabulary-parallel embedding's backward: no credit
     unfused = workload("tiny", seq_len=128, mbs=2, micro_batches=2, precision="bf16", fused_loss=False)
