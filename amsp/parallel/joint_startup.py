@@ -72,9 +72,10 @@ def _plan(cfg, denv, device, run_dir, mixed, r, points, profiles: dict, tp_times
     from ..planner.from_config import cluster_spec, planner_config, precision_name
     from ..planner.joint.hetero import from_spec
     from ..planner.joint.search import format_joint, plan_joint
-    from ..planner.startup import with_probe
+    from ..planner.startup import model_fused, with_probe
     from ..planner.workload import Workload
     from ..schedule import Precision
+    from models.llama.fused import loss_runs_fused
 
     p = planner_config(cfg)
     model = to_llama_config(cfg.model)
@@ -116,7 +117,8 @@ def _plan(cfg, denv, device, run_dir, mixed, r, points, profiles: dict, tp_times
                        top_k=p.top_k, memory_margin=p.memory_margin, reserved_bytes=p.reserved_gib * 2**30,
                        overlap_slowdown=p.overlap_slowdown, unit_times=units,
                        overlap_spread=bool(cfg.amsp.overlap_spread), spread_window=int(cfg.amsp.spread_window),
-                       optimizer_s_per_elem=optimizer or None)
+                       optimizer_s_per_elem=optimizer or None,
+                       fused_loss=loss_runs_fused(model_fused(cfg), device))
     text = f"joint planner (compute: {'; '.join(sources)})\n" + format_joint(plans, cluster)
     log.info("%s", text)
     if run_dir is not None:

@@ -164,3 +164,27 @@ def test_stage_blocks_inverts_split_bounds():
         bounds = split_bounds(split)
         assert bounds[0] == 0 and bounds[-1] == sum(split) + 2 and len(bounds) == len(split) + 1
         assert stage_blocks(bounds, sum(split)) == split
+
+
+def test_joint_stage_prices_the_loss_path_the_device_runs():
+    """train.py's joint startup passes whether the head's loss runs fused on its device: the eager head
+    (no kernel for the device) keeps logits and its backward 2 more fp32 logits; a pipeline's loss is
+    never fused, whatever is passed."""
+    import dataclasses
+
+    from amsp.plan import Degrees
+    from amsp.planner.workload import Workload
+
+    cfg = get_preset("tiny").with_overrides(dim=256, n_layers=4, vocab_size=32000)
+    prec = Precision.named("fp32")
+    cluster = from_spec(load_preset("a100x8", 1))
+    base = Setting(cfg, 256, prec, 1, 1, 8, 2, 4, {}, memory_margin=0.0, reserved_bytes=0.0)
+    mem = {}
+    for fused in (None, True, False):
+        pricer = _Candidate(dataclasses.replace(base, fused_loss=fused), cluster).pricers[0]
+        mem[fused] = pricer.memory(4, True, True, Degrees(1, 1, 1), False, 1)[0]
+    eager, fused_w = Workload(cfg, 256, 2, 4, prec, fused_loss=False), Workload(cfg, 256, 2, 4, prec)
+    assert mem[None] == mem[True] < mem[False]
+    assert mem[False] - mem[True] >= eager.head_activation_bytes() - fused_w.head_activation_bytes()
+    piped = dataclasses.replace(base, pp=2, dp=4)
+    assert dataclasses.replace(piped, fused_loss=True).workload().head_loss_fused is False

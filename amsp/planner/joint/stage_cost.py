@@ -60,11 +60,13 @@ class Setting:
     # node preset name -> seconds of one AdamW step per OS element, measured at startup
     # (compute_profile.time_optimizer); missing: the node's memory bandwidth prices it
     optimizer_s_per_elem: dict = field(default_factory=dict)
+    # the head's loss runs fused on the run's device (Workload.fused_loss; None: wherever it can)
+    fused_loss: bool | None = None
 
     def workload(self, recompute: str = "none") -> Workload:
         # pp = 1: a stage's own layers (the loss of a pipeline runs in its loss function, never fused)
         return Workload(self.model, self.seq_len, self.micro_batch_size, self.micro_batches, self.precision,
-                        recompute=recompute, tp=self.tp, pp=1, fused_loss=None if self.pp == 1 else False)
+                        recompute=recompute, tp=self.tp, pp=1, fused_loss=self.fused_loss if self.pp == 1 else False)
 
 
 @dataclass(frozen=True)
