@@ -139,6 +139,8 @@ def main() -> None:
     ap.add_argument("--plan", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.out:  # before the runs: a missing folder must not lose ten minutes of measurements at the end
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.worker:
         return worker(args)
     cfg = model_config(args)

@@ -188,16 +188,22 @@ def peaks_above_build(tp: int, pp: int, deg, mbs: int, extra: list[str], workdir
     return out
 
 
-def runtime_reserve(workdir: str) -> float:
+def runtime_reserve(workdir: str, runs: int = 3) -> float:
     """MiB the runtime holds outside the model's tensors, per rank: a debug-sized run of the same launcher,
     its anonymous resident memory before the build (torch, process groups, data) plus what its steps
-    added. Anonymous memory only: the kernel reclaims page cache and shared library pages under a cap
-    before it kills (a group's charged peak, page cache included, read 294 and 645 MiB on two runs)."""
-    tag_dir = tempfile.mkdtemp(dir=workdir)
-    run(1, 1, (1, 1, 1), 1, 0, ["model=debug", "data.seq_len=64", "trainer.global_batch_size=8"], workdir,
-        prefix="runtime_", tag_dir=tag_dir)
-    ranks = [json.load(open(os.path.join(tag_dir, f"peak{r}.json"))) for r in range(4)]
-    return max(g["anon_base_mib"] + g["steps_hwm_mib"] - g["base_mib"] for g in ranks)
+    added, the largest rank; the median of `runs` launches (one launch in a few reads ~150 MiB high:
+    436 and 423 MiB against 277-279 in nine others on 25 Nov). Anonymous memory only: the kernel reclaims
+    page cache and shared library pages under a cap before it kills (a group's charged peak, page cache
+    included, read 294 and 645 MiB on two runs)."""
+    seen = []
+    for _ in range(runs):
+        tag_dir = tempfile.mkdtemp(dir=workdir)
+        run(1, 1, (1, 1, 1), 1, 0, ["model=debug", "data.seq_len=64", "trainer.global_batch_size=8"], workdir,
+            prefix="runtime_", tag_dir=tag_dir)
+        ranks = [json.load(open(os.path.join(tag_dir, f"peak{r}.json"))) for r in range(4)]
+        seen.append(max(g["anon_base_mib"] + g["steps_hwm_mib"] - g["base_mib"] for g in ranks))
+    print(f"runtime reserve per launch: {', '.join(f'{x:.0f}' for x in seen)} MiB", file=sys.stderr)
+    return statistics.median(seen)
 
 
 def stage_peaks(tp: int, pp: int, deg, mbs: int, reserve_bytes: float, extra: list[str]) -> float:
