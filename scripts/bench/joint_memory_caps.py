@@ -196,10 +196,10 @@ def runtime_reserve(workdir: str, runs: int = 3) -> float:
     page cache and shared library pages under a cap before it kills (a group's charged peak, page cache
     included, read 294 and 645 MiB on two runs)."""
     seen = []
-    for _ in range(runs):
+    for i in range(runs):  # a run directory of its own each: the same name would resume the previous launch
         tag_dir = tempfile.mkdtemp(dir=workdir)
         run(1, 1, (1, 1, 1), 1, 0, ["model=debug", "data.seq_len=64", "trainer.global_batch_size=8"], workdir,
-            prefix="runtime_", tag_dir=tag_dir)
+            prefix=f"runtime{i}_", tag_dir=tag_dir)
         ranks = [json.load(open(os.path.join(tag_dir, f"peak{r}.json"))) for r in range(4)]
         seen.append(max(g["anon_base_mib"] + g["steps_hwm_mib"] - g["base_mib"] for g in ranks))
     print(f"runtime reserve per launch: {', '.join(f'{x:.0f}' for x in seen)} MiB", file=sys.stderr)
