@@ -317,7 +317,8 @@ class CostModel:
         """The bucket term beside the full activations: the largest pair of units' gradient buckets
         (the embedding's pair less its offset), or on the last stage the unfused loss backward's
         transient where larger (it runs before any parameter gradient exists)."""
-        pairs = [sum(buckets[r] for r in p[:2]) - off for p, off in zip(self.buffer_pairs(), self.bucket_pair_offsets())]
+        pairs = [sum(buckets[r] for r in pair[:2]) - off
+                 for pair, off in zip(self.buffer_pairs(), self.bucket_pair_offsets())]
         return max(max(pairs), self.w.loss_backward_transient_bytes())
 
     def constant_memory(self) -> dict:
