@@ -136,7 +136,7 @@ def test_gradient_buckets_follow_the_gradient_degree():
     assert g1 < g8
     grid_matches_evaluate(m)
     tp2 = CostModel(workload("tiny", seq_len=128, mbs=2, micro_batches=2, precision="bf16", tp=2), flat_cluster(1, 8))
-    assert not any(tp2.bucket_pair_offsets())  # the vocabulary-parallel embedding's backward: no credit
+    assert not any(tp2.bucket_pair_offsets())  # TP activations are under-priced: no credit
     unfused = workload("tiny", seq_len=128, mbs=2, micro_batches=2, precision="bf16", fused_loss=False)
     assert unfused.largest_param_numel("head") == vocab
 

@@ -202,7 +202,7 @@ class StagePricer:
             grad_pairs = [(one[i] + one[i + 1]) * prec.param_bytes for i in range(len(one) - 1)] or \
                 [one[0] * prec.param_bytes]
         # the (untied, tp = 1) embedding's pair arrives last in the backward, beside only the other
-        # micro-batches in flight and the receive buffers (cost_model.bucket_pair_offsets)
+        # micro-batches in flight and the receive buffers (cost_model.bucket_pair_offsets: why not tp > 1)
         emb_pair = grad_pairs.pop(0) if embed and not tied_here and len(order) > 1 and s.tp == 1 else None
         buckets = max(grad_pairs + [self.loss_backward if head else 0.0])
         own_sync = deg.os > deg.g or prec.grad_bytes != 4  # else the OS gradient is a view of the G shard
