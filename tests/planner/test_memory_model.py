@@ -79,37 +79,27 @@ def test_a_plan_fits_in_exactly_its_predicted_need():
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_measured_feasible_plans_fit(tmp_path):
+def test_measured_peaks_are_within_ten_percent(tmp_path):
     """Measured on 2 gloo ranks (scripts/bench/bench_memory_fidelity.py): each plan's prediction is
-    within 10% of its measured peak, and a device holding the measured peak plus the same reserve is
-    never refused by fits()."""
+    within 10% of its measured peak (issue 15, item 3). An earlier version also required fits() to
+    accept a device of exactly the measured peak plus margin and reserve, i.e. that the model never
+    over-predicts; an unbiased model over-predicts some plans by a little, and that check failed at
+    c2c0a56 (ddp +3.0%) as at cbf1202 (1/1/2 +0.6%): which plans the margin excludes near a device's
+    limit is measured by scripts/bench/joint_memory_caps.py (BENCHMARKS.md), not asserted here."""
     import json
     import subprocess
     import sys
     from pathlib import Path
-    from types import SimpleNamespace
-
-    from amsp.plan import Degrees, Plan
 
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "fidelity"
     subprocess.run([sys.executable, "scripts/bench/bench_memory_fidelity.py", "--ranks", "2", "--plans",
                     "1/1/1,1/1/2,2/2/2", "--layers", "2", "--dim", "512", "--vocab", "8192", "--seq", "64",
                     "--out", str(out)], cwd=root, check=True, capture_output=True, timeout=600)
-    sys.path.insert(0, str(root / "scripts" / "bench"))
-    from bench_memory_fidelity import model_config  # the model the bench measured
-
-    shape = SimpleNamespace(dim=512, layers=2, vocab=8192, seq=64, checkpointing="none")
-    w = workload(model_config(shape), seq_len=64, mbs=1, micro_batches=2, precision="fp32")
-    for row in json.loads(out.with_suffix(".json").read_text()):
+    rows = json.loads(out.with_suffix(".json").read_text())
+    assert [r["plan"] for r in rows] == ["1/1/1", "1/1/2", "2/2/2"]
+    for row in rows:
         assert abs(row["error_pct"]) <= 10, row
-        deg = Degrees(*map(int, row["plan"].split("/")))
-        o = Options(overlap_spread=False)
-        measured = row["measured_mib"] * 2**20
-        device = (measured * (1 + o.memory_margin) + o.reserved_bytes) * 1.0001
-        cost = CostModel(w, flat_cluster(1, 2, memory_gib=device / 2**30), o).evaluate(Plan(deg, deg, name="x"))
-        assert cost.fits, row
-
 
 
 def test_gradient_buckets_follow_the_gradient_degree():
