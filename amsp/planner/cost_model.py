@@ -305,13 +305,9 @@ class CostModel:
         and the first block's arrive once the micro-batch's activations are gone, so that pair meets
         only what is still alive then (workload.activation_bytes_at_embedding_backward) and is charged
         against the full activations less that. A tied embedding+head unit starts its gradient with the
-        head's, at the start of the backward: no offset. Nor with tp > 1, where the activations are under-
-        priced: the first stage of tp 2 x pp 2 peaks at the start of a backward with two micro-batches in
-        flight, each measured ~18% over the per-layer model (traced: 15.4 against 13 MiB a layer; DTensor's
-        column-parallel linears keep their all-gathered sequence-parallel inputs), 63 MiB above what this
-        credit predicts; the embedding's pair beside the full activations covers it
-        (scripts/bench/joint_memory_caps.py --fidelity)."""
-        if self.w.tp > 1:
+        head's, at the start of the backward: no offset. Nor where Workload.embedding_gradient_comes_last
+        says no (tp > 1)."""
+        if not self.w.embedding_gradient_comes_last:
             return [0.0] * len(self.buffer_pairs())
         credit = self.constant_memory()["activations"] - self.w.activation_bytes_at_embedding_backward()
         return [credit if pair == ("embedding", "block") else 0.0 for pair in self.buffer_pairs()]

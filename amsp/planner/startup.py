@@ -75,7 +75,7 @@ def plan_for_run(cfg: DictConfig, denv, device: torch.device | str = "cpu",
             cluster = cluster_spec(cfg, nodes=topo.nodes, ranks_per_node=r, local_ranks=denv.local_world_size,
                                    device=device)
             cluster = with_probe(cluster, points, p)
-            box[0] = _solve(cfg, cluster, p, run_dir, profile, loss_runs_fused(model_fused(cfg), device))
+            box[0] = _solve(cfg, cluster, p, run_dir, profile, loss_fused_for_run(cfg, device))
         except (NoFeasiblePlan, ValueError, SolverError) as e:  # tell the other ranks, then raise here
             error, box[0] = e, f"{type(e).__name__}: {e}"
     if denv.world_size > 1 and dist.is_initialized():
@@ -132,8 +132,11 @@ def measured_compute(cfg: DictConfig, denv, device: torch.device) -> ComputeProf
                            p.probe_cache, p.overlap_slowdown, cores_shared=cores_shared(device, denv))
 
 
-def model_fused(cfg: DictConfig) -> str:
-    return str(OmegaConf.select(cfg, "model.fused", default="auto"))
+def loss_fused_for_run(cfg: DictConfig, device) -> bool:
+    """Whether this run's head computes its loss fused on `device` (the planner prices that path)."""
+    from configs.schema import to_llama_config
+
+    return loss_runs_fused(to_llama_config(cfg.model).fused, device)
 
 
 def _solve(cfg, cluster, p, run_dir, profile: ComputeProfile | None = None,

@@ -191,7 +191,7 @@ class Workload:
         nothing (its forward's transients are in head_activation_bytes). `pipelined` overrides pp > 1
         (the joint planner prices each stage with a pp = 1 workload)."""
         pipelined = self.pp > 1 if pipelined is None else pipelined
-        if self.tp == 1 and not pipelined and self.head_loss_fused:
+        if self.head_loss_fused and not pipelined:
             return 0.0
         return self.tokens_per_micro_batch * self.model.vocab_size / self.tp * 4 * (3 if self.tp > 1 else 2)
 
@@ -205,6 +205,17 @@ class Workload:
             return 0.0
         hidden = self.tokens_per_micro_batch * self.model.dim * self.act_bytes / self.tp
         return self.micro_batches * hidden * ((not first) + (not last))
+
+    @property
+    def embedding_gradient_comes_last(self) -> bool:
+        """Whether the (untied) embedding's gradient pair is priced beside only what is alive at the end
+        of a backward (activation_bytes_at_embedding_backward) rather than beside the full activations.
+        Not with tp > 1, where the activations are under-priced: the first stage of tp 2 x pp 2 peaks at
+        the start of a backward with two micro-batches in flight, each layer measured ~18% over the
+        per-layer model (traced: 15.4 against 13 MiB; DTensor's column-parallel linears keep their
+        all-gathered sequence-parallel inputs), 63 MiB above what the credit predicts; the pair beside
+        the full activations covers it (scripts/bench/joint_memory_caps.py --fidelity)."""
+        return self.tp == 1
 
     def activation_bytes_at_embedding_backward(self) -> float:
         """What is alive when the embedding's gradient arrives, the last of a micro-batch's backward:

@@ -69,6 +69,11 @@ class Setting:
                         recompute=recompute, tp=self.tp, pp=1, fused_loss=self.fused_loss if self.pp == 1 else False)
 
 
+def _adjacent_pairs(sizes: list) -> list:
+    """Sums of neighbouring units in forward order (one unit alone when the stage has one)."""
+    return [sizes[i] + sizes[i + 1] for i in range(len(sizes) - 1)] or [sizes[0]]
+
+
 @dataclass(frozen=True)
 class UnitCosts:
     """Per-unit compute seconds of one micro-batch (forward + backward) on one kind of node."""
@@ -165,6 +170,7 @@ class StagePricer:
         self.recv_buffers = w.pipeline_buffer_bytes(first=True, last=False, stages=s.pp)
         # one parameter's autograd gradient per unit when g = 1 (cost_model.grad_bucket_bytes)
         self.largest = {role: w.largest_param_numel(role) for role in ("embedding", "block", "head")}
+        self.embedding_last = w.embedding_gradient_comes_last
 
     # ---- compute ----
     def compute_s(self, n_blocks: int, embed: bool, head: bool, recompute: bool) -> float:
@@ -189,7 +195,7 @@ class StagePricer:
         order = ([pe] if embed else []) + [pb] * n_blocks + ([ph] if head and ph else [])
         params = sum(order)
         states = params * (prec.param_bytes / deg.p + 4 / deg.g + prec.optim_bytes / deg.os)
-        pairs = [order[i] + order[i + 1] for i in range(len(order) - 1)] or [order[0]]
+        pairs = _adjacent_pairs(order)
         gathered_units = pe + 2 * pb if tied_here and n_blocks >= 2 else max(pairs)
         gathered = gathered_units * prec.param_bytes if deg.p > 1 else 0.0
         # the gradient pair (g = 1: one parameter's autograd gradient per unit), or on the last stage
@@ -199,11 +205,11 @@ class StagePricer:
         else:
             lb, le, lh = self.largest["block"], self.largest["embedding"], self.largest["head"]
             one = ([le] if embed else []) + [lb] * n_blocks + ([lh] if head and ph else [])
-            grad_pairs = [(one[i] + one[i + 1]) * prec.param_bytes for i in range(len(one) - 1)] or \
-                [one[0] * prec.param_bytes]
-        # the (untied, tp = 1) embedding's pair arrives last in the backward, beside only the other
-        # micro-batches in flight and the receive buffers (cost_model.bucket_pair_offsets: why not tp > 1)
-        emb_pair = grad_pairs.pop(0) if embed and not tied_here and len(order) > 1 and s.tp == 1 else None
+            grad_pairs = [x * prec.param_bytes for x in _adjacent_pairs(one)]
+        # the untied embedding's pair arrives last in the backward, beside only the other micro-batches
+        # in flight and the receive buffers (Workload.embedding_gradient_comes_last)
+        last = embed and not tied_here and len(order) > 1 and self.embedding_last
+        emb_pair = grad_pairs.pop(0) if last else None
         buckets = max(grad_pairs + [self.loss_backward if head else 0.0])
         own_sync = deg.os > deg.g or prec.grad_bytes != 4  # else the OS gradient is a view of the G shard
         grad_sync = params / deg.os * 4 if own_sync else 0.0
