@@ -40,13 +40,13 @@ def planner_inputs(cfg, denv, device, cluster=None, options=None):
     """(Workload, ClusterSpec, Options) the planner prices this run's plans with; `cluster` and
     `options` are the ones the startup planner used (probe and compute profile applied) when given."""
     from amsp.planner.from_config import cluster_spec, options_from_config, workload_from_config
-    from amsp.planner.startup import loss_fused_for_run, ranks_per_node
+    from amsp.planner.startup import kernels_for_run, ranks_per_node
 
     if cluster is None:
         r = ranks_per_node(cfg, denv.local_world_size)
         cluster = cluster_spec(cfg, nodes=max(1, denv.world_size // r), ranks_per_node=r,
                                local_ranks=denv.local_world_size, device=device)
-    workload = workload_from_config(cfg, cluster, loss_fused_for_run(cfg, device))
+    workload = workload_from_config(cfg, cluster, kernels_for_run(cfg, device))
     return workload, cluster, options or options_from_config(cfg)
 
 

@@ -72,10 +72,9 @@ def _plan(cfg, denv, device, run_dir, mixed, r, points, profiles: dict, tp_times
     from ..planner.from_config import cluster_spec, planner_config, precision_name
     from ..planner.joint.hetero import from_spec
     from ..planner.joint.search import format_joint, plan_joint
-    from ..planner.startup import with_probe
+    from ..planner.startup import kernels_for_run, with_probe
     from ..planner.workload import Workload
     from ..schedule import Precision
-    from models.llama.fused import loss_runs_fused
 
     p = planner_config(cfg)
     model = to_llama_config(cfg.model)
@@ -118,7 +117,8 @@ def _plan(cfg, denv, device, run_dir, mixed, r, points, profiles: dict, tp_times
                        overlap_slowdown=p.overlap_slowdown, unit_times=units,
                        overlap_spread=bool(cfg.amsp.overlap_spread), spread_window=int(cfg.amsp.spread_window),
                        optimizer_s_per_elem=optimizer or None,
-                       fused_loss=loss_runs_fused(model.fused, device))
+                       kernels=kernels_for_run(cfg, device),
+                       sequence_parallel=bool(cfg.parallel.sequence_parallel))
     text = f"joint planner (compute: {'; '.join(sources)})\n" + format_joint(plans, cluster)
     log.info("%s", text)
     if run_dir is not None:

@@ -321,8 +321,8 @@ class CostModel:
         return max(max(pairs), self.w.loss_backward_transient_bytes())
 
     def constant_memory(self) -> dict:
-        """Activations, with tp > 1 the vocabulary-parallel loss's forward transient (workload.py)."""
-        return {"activations": self.w.activation_bytes() + self.w.parallel_loss_transient_bytes()}
+        """Activations (the loss's transients are in the bucket term: Workload.loss_backward_transient_bytes)."""
+        return {"activations": self.w.activation_bytes()}
 
     # ---- pricing ----
     def price(self, phase, kind, unit, n, k, m, nbytes, count, shares=(1.0,)) -> Priced:

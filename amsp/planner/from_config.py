@@ -13,7 +13,7 @@ from .cluster import ClusterSpec, cluster_from_config
 from .compute_profile import ComputeProfile
 from .cost_model import Options
 from .device_preset import recognise
-from .workload import Workload
+from .workload import Kernels, Workload
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +67,9 @@ def _precision(cfg: DictConfig, cluster: ClusterSpec) -> Precision:
                      grad_bytes=4 if grad == "auto" else Precision.named(grad).grad_bytes)
 
 
-def workload_from_config(cfg: DictConfig, cluster: ClusterSpec, fused_loss: bool | None = None) -> Workload:
-    """`fused_loss`: whether the head's loss runs fused on the run's device (train.py's startup knows,
-    models.llama.fused.loss_runs_fused); None assumes it does wherever model.fused allows."""
+def workload_from_config(cfg: DictConfig, cluster: ClusterSpec, kernels: Kernels | None = None) -> Workload:
+    """`kernels`: what the run's device executes (train.py's startup knows,
+    amsp.planner.startup.kernels_for_run); None assumes every op model.fused enables runs fused."""
     p = planner_config(cfg)
     model = to_llama_config(cfg.model)
     dp_world = cluster.world // (p.tp * p.pp)
@@ -78,7 +78,8 @@ def workload_from_config(cfg: DictConfig, cluster: ClusterSpec, fused_loss: bool
     return Workload(model=model, seq_len=cfg.data.seq_len, micro_batch_size=cfg.trainer.micro_batch_size,
                     micro_batches=micro_batches(cfg, dp_world),
                     precision=_precision(cfg, cluster),
-                    recompute=model.activation_checkpointing, tp=p.tp, pp=p.pp, fused_loss=fused_loss)
+                    recompute=model.activation_checkpointing, tp=p.tp, pp=p.pp, kernels=kernels,
+                    sequence_parallel=bool(OmegaConf.select(cfg, "parallel.sequence_parallel", default=True)))
 
 
 def host_memory_bytes() -> int:

@@ -20,7 +20,6 @@ from omegaconf import DictConfig, OmegaConf
 from amsp import control
 from amsp.plan import Plan
 from amsp.topology import Topology
-from models.llama.fused import loss_runs_fused
 
 from .from_config import (cluster_spec, cpu_shared_cores, machine_ranks, options_from_config, planner_config,
                           workload_from_config)
@@ -28,6 +27,7 @@ from .compute_profile import ComputeProfile, measure_profile
 from .cost_model import overlap_slowdown_of
 from .probe import apply_points, probe_points, probe_sizes
 from .ilp import SolverError
+from .workload import Kernels
 from .report import NoFeasiblePlan
 from .solve import plan_cluster
 
@@ -75,7 +75,7 @@ def plan_for_run(cfg: DictConfig, denv, device: torch.device | str = "cpu",
             cluster = cluster_spec(cfg, nodes=topo.nodes, ranks_per_node=r, local_ranks=denv.local_world_size,
                                    device=device)
             cluster = with_probe(cluster, points, p)
-            box[0] = _solve(cfg, cluster, p, run_dir, profile, loss_fused_for_run(cfg, device))
+            box[0] = _solve(cfg, cluster, p, run_dir, profile, kernels_for_run(cfg, device))
         except (NoFeasiblePlan, ValueError, SolverError) as e:  # tell the other ranks, then raise here
             error, box[0] = e, f"{type(e).__name__}: {e}"
     if denv.world_size > 1 and dist.is_initialized():
@@ -132,17 +132,33 @@ def measured_compute(cfg: DictConfig, denv, device: torch.device) -> ComputeProf
                            p.probe_cache, p.overlap_slowdown, cores_shared=cores_shared(device, denv))
 
 
-def loss_fused_for_run(cfg: DictConfig, device) -> bool:
-    """Whether this run's head computes its loss fused on `device` (the planner prices that path)."""
+def kernels_for_run(cfg: DictConfig, device) -> Kernels:
+    """The kernels this run's model executes on `device` (kernels_for_model)."""
     from configs.schema import to_llama_config
 
-    return loss_runs_fused(to_llama_config(cfg.model).fused, device)
+    return kernels_for_model(to_llama_config(cfg.model), device, timing_dtype(cfg, torch.device(device)))
+
+
+def kernels_for_model(model, device, dtype_name: str) -> Kernels:
+    """The kernels a model (LlamaConfig) executes on `device` in `dtype_name`, as far as they change its
+    activation memory (Workload.kernels): the fused ops with a native kernel there, the norm backend
+    (Transformer Engine's RMSNorm keeps its input and rstd, as the fused one does) and whether attention
+    takes repeated K/V copies (PyTorch SDPA except in bf16/fp16 on CUDA; models/llama/backends.py)."""
+    from models.llama.backends import resolve_attention, resolve_norm
+    from models.llama.fused import ops_running
+
+    fused = ops_running(model.fused, device)
+    if resolve_norm(model.norm) == "te":
+        fused |= {"rms_norm"}
+    half_on_cuda = torch.device(device).type == "cuda" and dtype_name in ("bf16", "fp16")
+    kv_repeated = resolve_attention(model.attention) == "sdpa" and not half_on_cuda
+    return Kernels(fused=frozenset(fused), kv_repeated=kv_repeated)
 
 
 def _solve(cfg, cluster, p, run_dir, profile: ComputeProfile | None = None,
-           fused_loss: bool | None = None) -> PlanOutcome:
+           kernels: Kernels | None = None) -> PlanOutcome:
     t0 = time.perf_counter()
-    w = workload_from_config(cfg, cluster, fused_loss)
+    w = workload_from_config(cfg, cluster, kernels)
     options = options_from_config(cfg, profile)
     res = plan_cluster(w, cluster, options, top_k=p.top_k, time_limit_s=p.time_limit_s)
     columns, rows = res.wandb_table()

@@ -9,18 +9,28 @@ exact for pp = 1 and conservative (by one of the two) for pp > 1.
 
 Activation memory per transformer layer and micro-batch, following Korthikanti et al. 2022
 ("Reducing Activation Recomputation in Large Transformer Models", eq. 1: s*b*h*(34 + 5*a*s/h) bytes
-for GPT with fp16 and dropout), adapted to LLaMA: no dropout masks, RMSNorm, a fused attention kernel
-that keeps no s x s score matrix (flash / memory-efficient SDPA; its per-row softmax statistics are
-negligible), grouped-query K/V of width h_kv = n_kv_heads*head_dim, and a SwiGLU MLP of width f.
-With e bytes per element and T = s*b tokens, the tensors autograd keeps are
-  none:      norm in, norm out, Q, K, V, attention out, norm in, norm out   -> (6h + 2h_kv) e T
-             gate, up, silu(gate), silu(gate)*up                            -> 4f e T
+for GPT with fp16 and dropout), adapted to LLaMA and to the kernels the run executes (Kernels): no
+dropout masks, a fused attention kernel that keeps no s x s score matrix (its per-row softmax
+statistics are negligible), a SwiGLU MLP of width f. With e bytes per element, T = s*b tokens, a rank
+holding the fraction r of the sequence in the residual stream (1/tp with sequence parallelism, else 1)
+and K the width of the K/V the attention kernel keeps (h_kv = n_kv_heads*head_dim, or h where it takes
+repeated K/V copies), the tensors autograd keeps in `none` mode are, per layer:
+  each of the 2 norms: its input, e r h T with the fused kernel; its fp32 input and normalised
+             output, (4 + e) r h T, with the eager reference (models/llama/backends.py)
+  each of the 2 column-parallel inputs (the norm's output, all-gathered under sequence
+             parallelism): e h T, the whole sequence
+  Q, K, V (after rotary) and the attention output: (2h + 2K) e T / tp
+  SwiGLU: gate and up, and their product for the down projection, 3 f e T / tp with the fused
+             kernel; silu(gate) besides with the eager one, 4 f e T / tp
+(scripts/bench/joint_memory_caps.py's model, fp32, T = 512, saved tensors counted through
+torch.autograd.graph.saved_tensors_hooks: 24.0 MiB per layer at tp 1 with the CPU kernels, 15.0 at
+tp 2; a test holds the formula to the saved tensors.)
   selective: the model's policy keeps matmul and attention outputs and recomputes norms, rotary and
              SiLU: layer input, Q, K, V, attention out, wo out, w1 out, w3 out, w2 out
-                                                                            -> (5h + 2h_kv + 2f) e T
-  full:      the layer input only (h e T), plus one layer's `none` set while it is recomputed.
-The output head keeps its input and the logits in the compute dtype plus an fp32 copy for the loss:
-(h e + V (e + 4)) T. All divided by tp (sequence parallelism assumed). Where the head computes the
+                                                                            -> (5h + 2h_kv + 2f) e T / tp
+  full:      the layer input only (e r h T), plus one layer's `none` set while it is recomputed.
+The output head keeps its norm's input, the projection's (whole-sequence) input and the logits in
+the compute dtype plus an fp32 copy for the loss: (norm + h e + V (e + 4) / tp) T. Where the head computes the
 loss through the fused linear + cross-entropy (models/llama/fused.py; tp = pp = 1), its forward
 already produces both gradients and keeps them for the backward instead of any logits: d/dW (V h, in
 the weight's dtype) and d/dh (h e T), while it runs one chunk of fp32 logits (fused.default_chunk
@@ -32,10 +42,27 @@ from dataclasses import dataclass
 
 from amsp.schedule import Precision, Unit
 from models.llama.config import LlamaConfig
+from models.llama.fused import ALL_OPS, AUTO_OPS
 
 RECOMPUTE_MODES = ("none", "full", "selective")
 # models/llama/fused.py default_chunk: about 8M fp32 logits per chunk of the fused head's forward
 FUSED_CHUNK_LOGITS = 1 << 23
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The kernels a run executes where they change what autograd keeps: the fused ops with a native
+    kernel on the run's device (models.llama.fused.ops_running; under tensor parallelism the model still
+    runs the loss, and with sequence parallelism the norms, eagerly), and whether the attention kernel
+    takes repeated K/V copies for grouped-query heads (SDPA on CPU and in fp32 on CUDA) rather than
+    the grouped heads themselves (cuDNN / flash SDPA in bf16, flash-attn, Transformer Engine)."""
+    fused: frozenset = frozenset()
+    kv_repeated: bool = False
+
+
+def default_kernels(model: LlamaConfig) -> Kernels:
+    """What the planner assumes without a device to ask: every op model.fused enables runs fused."""
+    return Kernels(fused=frozenset({"off": (), "on": ALL_OPS}.get(model.fused, tuple(AUTO_OPS))))
 
 
 @dataclass(frozen=True)
@@ -48,10 +75,12 @@ class Workload:
     recompute: str = "none"
     tp: int = 1
     pp: int = 1
-    # The head computes the loss through the fused linear + cross-entropy. None: it does wherever it
-    # can (tp = pp = 1 and model.fused not off); train.py's startup passes what its device runs
-    # (the fused kernel exists for that device), the planner CLI cannot know and assumes it.
-    fused_loss: bool | None = None
+    # What the run's device executes (train.py's startup knows: amsp.planner.startup.kernels_for_run).
+    # None: every op model.fused enables runs fused and attention keeps grouped K/V, which the planner
+    # CLI assumes (it cannot know the device's build).
+    kernels: Kernels | None = None
+    # the residual stream is split over the TP group between blocks (parallel.sequence_parallel)
+    sequence_parallel: bool = True
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE_MODES:
@@ -62,12 +91,30 @@ class Workload:
             raise ValueError(f"pipeline degree pp={self.pp} must divide n_layers={self.model.n_layers}")
 
     @property
+    def run_kernels(self) -> Kernels:
+        return self.kernels if self.kernels is not None else default_kernels(self.model)
+
+    @property
     def head_loss_fused(self) -> bool:
         """Whether the head's loss runs fused (the pipeline's loss function and DTensor's loss_parallel
         are never fused)."""
         if self.tp > 1 or self.pp > 1:
             return False
-        return self.model.fused != "off" if self.fused_loss is None else self.fused_loss
+        return "linear_cross_entropy" in self.run_kernels.fused
+
+    @property
+    def stream_fraction(self) -> float:
+        """The fraction of a micro-batch's positions a rank holds in the residual stream."""
+        return 1 / self.tp if self.tp > 1 and self.sequence_parallel else 1.0
+
+    def norm_kept_bytes(self) -> float:
+        """What one RMSNorm keeps for its backward per token: its input with the fused kernel (which
+        saves the rstd beside it); the fp32 input and the normalised output with the eager reference.
+        Under sequence parallelism the norms see DTensors and run the reference
+        (amsp.parallel.tensor_parallel._use_unfused_where_sharded)."""
+        e = self.act_bytes
+        fused = "rms_norm" in self.run_kernels.fused and not (self.tp > 1 and self.sequence_parallel)
+        return (e if fused else 4 + e) * self.model.dim * self.stream_fraction
 
     # ---- units ----
     @property
@@ -150,17 +197,20 @@ class Workload:
         return self.precision.param_bytes  # activations live in the compute dtype
 
     def layer_activation_bytes(self, mode: str | None = None) -> float:
-        m, e, t = self.model, self.act_bytes, self.tokens_per_micro_batch
+        m, e, t, tp = self.model, self.act_bytes, self.tokens_per_micro_batch, self.tp
         h, f = m.dim, m.ffn_hidden_dim
         hkv = m.n_kv_heads * m.head_dim
         mode = mode or self.recompute
-        if mode == "none":
-            width = 6 * h + 2 * hkv + 4 * f
-        elif mode == "selective":
-            width = 5 * h + 2 * hkv + 2 * f
-        else:
-            width = h
-        return width * e * t / self.tp
+        if mode == "selective":
+            return (5 * h + 2 * hkv + 2 * f) * e * t / tp
+        if mode == "full":
+            return h * e * t * self.stream_fraction
+        kernels = self.run_kernels
+        # repeated K/V are copies, except of a single local KV head (backends.repeat_kv's reshape is a view)
+        kv = h if kernels.kv_repeated and m.n_kv_heads // tp > 1 else hkv
+        swiglu = 3 if "swiglu" in kernels.fused else 4
+        per_token = 2 * self.norm_kept_bytes() + 2 * h * e + ((2 * h + 2 * kv) + swiglu * f) * e / tp
+        return per_token * t
 
     def head_activation_bytes(self) -> float:
         m, e, t = self.model, self.act_bytes, self.tokens_per_micro_batch
@@ -168,17 +218,7 @@ class Workload:
             rows = min(t, max(1, FUSED_CHUNK_LOGITS // m.vocab_size))  # fused.default_chunk
             widened = 0 if e == 4 else 2 * m.vocab_size * m.dim * 4  # fp32 W copy and d/dW accumulator
             return m.vocab_size * m.dim * e + m.dim * e * t + rows * m.vocab_size * 4 + widened
-        return (m.dim * e + m.vocab_size * (e + 4)) * t / self.tp
-
-    def parallel_loss_transient_bytes(self) -> float:
-        """With tp > 1 the cross-entropy runs on vocabulary-sharded fp32 logits under DTensor's
-        loss_parallel, whose log-softmax holds the shifted logits and their exponent beside the logits:
-        one local logits tensor (T * V/tp fp32) more at its peak than the plain cross-entropy the head's
-        activation term prices (measured on 2 gloo ranks, T=512, V=32000: 3.5 against 2.5 local logits
-        beyond the weight gradient)."""
-        if self.tp == 1:
-            return 0.0
-        return self.tokens_per_micro_batch * self.model.vocab_size / self.tp * 4
+        return (self.norm_kept_bytes() + m.dim * e + m.vocab_size * (e + 4) / self.tp) * t
 
     def loss_backward_transient_bytes(self, pipelined: bool | None = None) -> float:
         """The unfused cross-entropy's backward on the last stage, before any parameter gradient
@@ -188,8 +228,12 @@ class Workload:
         traced by phase): 126 MiB at tp 1 (2.0 local logits), 98 MiB at tp 2 (3.1). The plain
         cross-entropy of the head itself (tp = pp = 1, fused loss off or without a kernel for the
         device) holds the same 2. The fused linear + cross-entropy holds no logits in its backward:
-        nothing (its forward's transients are in head_activation_bytes). `pipelined` overrides pp > 1
-        (the joint planner prices each stage with a pp = 1 workload)."""
+        nothing (its forward's transients are in head_activation_bytes). The loss's forward transient
+        (under loss_parallel one local logits tensor beyond what the head keeps: its log-softmax holds
+        the shifted logits and their exponent) is gone before this one, which is larger, begins: the
+        models charge the larger alone (a tp 2 run's head stage measured +94 MiB over its forward's end
+        in the loss, 3.0 local logits; summing both over-predicted it by 31 MiB). `pipelined` overrides
+        pp > 1 (the joint planner prices each stage with a pp = 1 workload)."""
         pipelined = self.pp > 1 if pipelined is None else pipelined
         if self.head_loss_fused and not pipelined:
             return 0.0
@@ -203,18 +247,17 @@ class Workload:
         4096 tokens: 1 GiB per middle stage. Without a stage named, a middle stage's."""
         if (self.pp if stages is None else stages) < 2:
             return 0.0
-        hidden = self.tokens_per_micro_batch * self.model.dim * self.act_bytes / self.tp
+        hidden = self.tokens_per_micro_batch * self.model.dim * self.act_bytes * self.stream_fraction
         return self.micro_batches * hidden * ((not first) + (not last))
 
     @property
     def embedding_gradient_comes_last(self) -> bool:
         """Whether the (untied) embedding's gradient pair is priced beside only what is alive at the end
         of a backward (activation_bytes_at_embedding_backward) rather than beside the full activations.
-        Not with tp > 1, where the activations are under-priced: the first stage of tp 2 x pp 2 peaks at
-        the start of a backward with two micro-batches in flight, each layer measured ~18% over the
-        per-layer model (traced: 15.4 against 13 MiB; DTensor's column-parallel linears keep their
-        all-gathered sequence-parallel inputs), 63 MiB above what the credit predicts; the pair beside
-        the full activations covers it (scripts/bench/joint_memory_caps.py --fidelity)."""
+        Not with tp > 1: the first stage of tp 2 x pp 2 peaks at the start of a backward with two
+        micro-batches in flight (traced), 4.4% above the prediction with the credit and 3.9% under the
+        one without it (scripts/bench/joint_memory_caps.py --fidelity, 25 Nov, TP layers priced as
+        saved): the planner keeps the side that does not under-predict."""
         return self.tp == 1
 
     def activation_bytes_at_embedding_backward(self) -> float:

@@ -193,20 +193,20 @@ def resolve_fused(requested: str) -> frozenset[str]:
     return chosen
 
 
-def loss_runs_fused(requested: str, device: torch.device | str) -> bool:
-    """Whether a model built with `model.fused=requested` computes its loss on `device` through the
-    fused linear + cross-entropy (the planner prices the head's memory for the path that runs: the
-    fused one keeps d/dW where the eager one keeps logits)."""
-    if "linear_cross_entropy" not in resolve_fused(requested):
-        return False
+def ops_running(requested: str, device: torch.device | str) -> frozenset[str]:
+    """The fused ops a model built with `model.fused=requested` runs natively on `device` (elsewhere the
+    eager references run): the planner prices what autograd keeps for the kernels that run (the fused
+    linear + cross-entropy keeps d/dW where the eager head keeps logits; the fused RMSNorm and SwiGLU
+    keep fewer tensors than their references)."""
+    chosen = resolve_fused(requested)
     kind = torch.device(device).type
     if kind == "cpu":
-        return True
+        return chosen
     if kind == "cuda":
         from csrc.loader import CUDA_EXTENSION
 
-        return CUDA_EXTENSION.lib is not None
-    return False
+        return chosen if CUDA_EXTENSION.lib is not None else frozenset()
+    return frozenset()
 
 
 def announce_device(device: torch.device | str) -> None:

@@ -33,6 +33,7 @@ from amsp.launch import init_distributed  # noqa: E402
 from amsp.plan import Degrees, Plan  # noqa: E402
 from amsp.planner.cluster import cluster_from_config  # noqa: E402
 from amsp.planner.cost_model import CostModel, Options  # noqa: E402
+from amsp.planner.startup import kernels_for_model  # noqa: E402
 from amsp.planner.workload import Workload  # noqa: E402
 from amsp.schedule import Precision  # noqa: E402
 from amsp.topology import Topology  # noqa: E402
@@ -50,11 +51,14 @@ def cluster(world: int):
 
 
 def predicted_bytes(cfg, plan: Plan, world: int, seq: int, micro: int, window: int,
-                    param_bytes: int = 2) -> tuple[float, dict]:
+                    param_bytes: int = 2, device: str = "cuda") -> tuple[float, dict]:
     """The cost model's per-rank tensor peak without the reserve (the larger phase; parts by name,
-    step_reuse negative). Defaults: bf16 weights, fp32 gradient reduction (the engine on CUDA);
-    scripts/bench/bench_memory_fidelity.py asks for fp32 weights on CPU."""
-    w = Workload(cfg, seq, 1, micro, Precision(param_bytes=param_bytes, grad_bytes=4), cfg.activation_checkpointing)
+    step_reuse negative), for the kernels the model runs on `device`. Defaults: bf16 weights, fp32
+    gradient reduction (the engine on CUDA); scripts/bench/bench_memory_fidelity.py asks for fp32
+    weights on CPU."""
+    kernels = kernels_for_model(cfg, device, "bf16" if param_bytes == 2 else "fp32")
+    w = Workload(cfg, seq, 1, micro, Precision(param_bytes=param_bytes, grad_bytes=4), cfg.activation_checkpointing,
+                 kernels=kernels)
     # the engine's default: the spread follows the update (EngineOptions.overlap_spread=False)
     cost = CostModel(w, cluster(world), Options(spread_window=window, overlap_spread=False)).evaluate(plan)
     parts = {k: v for k, v in cost.memory.items() if k != "reserved"}

@@ -97,7 +97,7 @@ def predicted(args, plan_text: str, world: int) -> tuple[float, dict]:
 
     deg = Degrees(*map(int, plan_text.split("/")))
     return predicted_bytes(model_config(args), Plan(deg, deg, name="bench"), world, args.seq, args.micro,
-                           args.window, param_bytes=4)
+                           args.window, param_bytes=4, device="cpu")
 
 
 def run_plan(args, plan_text: str, tmp: Path) -> dict:

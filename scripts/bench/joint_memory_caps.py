@@ -101,6 +101,12 @@ def rank_shim(cap_mib: int, tag_dir: str, argv: list[str]) -> None:
     """This rank's own memory group at the cap (cap 0: uncapped, peak above the build measured), then
     train.py in this process."""
     rank = os.environ.get("RANK", "0")
+    # Every run loads the parallel runtime's modules first (torch.distributed.pipelining alone adds
+    # 29 MiB of resident code and data when a pipelined run imports it): they are part of the runtime
+    # the reserve measures, the same in every run, and not the model's tensors the fidelity mode
+    # compares with its base.
+    import torch.distributed.pipelining  # noqa: F401
+    import torch.distributed.tensor.parallel  # noqa: F401
     if cap_mib == 0:
         mark_build_start(os.path.join(tag_dir, f"peak{rank}.json"))
         sys.argv = ["train.py", *argv]
@@ -220,6 +226,7 @@ def stage_choices(tp: int, pp: int, deg, mbs: int, reserve_bytes: float, extra: 
     from amsp.planner.joint.hetero import from_spec
     from amsp.planner.joint.search import _Candidate, split_bounds
     from amsp.planner.joint.stage_cost import Setting
+    from amsp.planner.startup import kernels_for_model
     from amsp.schedule import Precision
     from configs.schema import to_llama_config
 
@@ -229,7 +236,7 @@ def stage_choices(tp: int, pp: int, deg, mbs: int, reserve_bytes: float, extra: 
     dp = 4 // (tp * pp)
     B = int(cfg.trainer.global_batch_size) // (dp * mbs)
     s = Setting(model, int(cfg.data.seq_len), Precision.named("fp32"), tp, pp, dp, mbs, B, {},
-                reserved_bytes=reserve_bytes)
+                reserved_bytes=reserve_bytes, kernels=kernels_for_model(model, "cpu", "fp32"))
     cand = _Candidate(s, from_spec(spec))
     # the split the run uses: train.py's default for a hand-named parallel.pp (amsp/parallel/pipeline.py)
     bounds = split_bounds([len(layers) for layers in split_layers(model.n_layers, pp)])

@@ -16,6 +16,9 @@ import torch
 
 from tests.amsp.amsp_cases import MICRO, SCHEDULE, SEED, SETTINGS, micro_batch, model_cfg, reference, rel
 from amsp.checkpoint import CheckpointManager
+from amsp.planner.startup import kernels_for_model
+from amsp.planner.workload import Workload
+from amsp.schedule import Precision
 from amsp.train_state import load_training_state, save_training_state
 from tests.distributed import run_distributed
 
@@ -142,6 +145,18 @@ def _run(rank: int, world: int, cases: list[dict]) -> list[dict]:
                 model.tok_embeddings(torch.randint(0, model_cfg().vocab_size, (2, 16))).sum().backward()
             out.append({"case": case, **seen})
             continue
+        if case.get("saved"):  # what autograd keeps for one TP block's forward (the planner's layer term)
+            from amsp.parallel.tensor_parallel import parallelize_llama
+            from amsp.routing_check import data_plane
+            from models.llama.model import Llama
+            from tests.planner.planner_cases import saved_activation_bytes
+
+            torch.manual_seed(0)
+            model = Llama(model_cfg().with_overrides(max_seq_len=64))
+            parallelize_llama(model, meshes[tp]["tp"], sequence_parallel=True, loss_parallel=True, seq_len=64)
+            with data_plane():
+                out.append({"case": case, "bytes": saved_activation_bytes(model, 2, 64, tp=tp)})
+            continue
         if case.get("profile_cache"):  # parallel.auto's startup: measured once, then read from its cache
             from amsp.launch import DistEnv
             from amsp.parallel.joint_startup import measured_tp_units
@@ -198,6 +213,7 @@ CASES = [
     {"tp": 2, "sp": True, "blocks": (2, 2, 2), "fault": True},
     {"tp": 2, "profile": True},
     {"tp": 2, "embedding_grad": True},
+    {"tp": 2, "saved": True},
 ]
 
 
@@ -216,6 +232,12 @@ def test_tp_dp_equals_single_process(tmp_path):
     (emb,) = [r for r in results[0] if r["case"].get("embedding_grad")]
     cfg = model_cfg()  # not the full vocab x dim table on every TP rank (DTensor's own embedding backward)
     assert emb["placements"] == "(Shard(dim=0),)" and emb["shape"] == (cfg.vocab_size // 2, cfg.dim), emb
+    (saved,) = [r for r in results[0] if r["case"].get("saved")]
+    kernels = kernels_for_model(cfg, "cpu", "fp32")  # sequence-parallel norms, repeated K/V, fused SwiGLU
+    predicted = Workload(cfg.with_overrides(max_seq_len=64), 64, 2, 1, Precision.named("fp32"), tp=2,
+                         kernels=kernels).layer_activation_bytes()
+    assert saved["bytes"] == pytest.approx(predicted, rel=0.05), (saved, predicted)
+    print("TP block saved", saved["bytes"], "predicted", predicted)
     (cached,) = [r for r in results[0] if r["case"].get("profile_cache")]
     assert list(cached["first"]) == [(None, 2)] and cached["again"] == cached["first"], cached  # tp 2 in a node of 2
     assert list(cached["by_group"]) == [("fast", 2), ("slow", 2)] and cached["by_group_again"] == cached["by_group"]
@@ -227,7 +249,7 @@ def test_tp_dp_equals_single_process(tmp_path):
     assert all(0 < t < 60 for t in profiles[0]), profiles[0]
     for r in results[0]:
         c = r["case"]
-        if c.get("profile") or c.get("profile_cache") or c.get("embedding_grad"):
+        if c.get("profile") or c.get("profile_cache") or c.get("embedding_grad") or c.get("saved"):
             continue
         if c.get("fault"):
             assert r["norm_err"] > 1e-5, f"counting replicated copies on every TP rank went unnoticed: {r}"
@@ -235,5 +257,5 @@ def test_tp_dp_equals_single_process(tmp_path):
         assert r["loss_err"] <= 1e-5 and r["norm_err"] <= 1e-5 and r["param_err"] <= 1e-5, r
     for rank_results in results[1:]:  # every rank checked its own shards
         for r in rank_results:
-            if not any(r["case"].get(k) for k in ("fault", "profile", "profile_cache", "embedding_grad")):
+            if not any(r["case"].get(k) for k in ("fault", "profile", "profile_cache", "embedding_grad", "saved")):
                 assert r["param_err"] <= 1e-5, r

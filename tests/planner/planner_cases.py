@@ -20,8 +20,34 @@ def flat_cluster(nodes: int, rpn: int, intra_gbps: float = 100.0, inter_gbps: fl
 
 def workload(model: str | LlamaConfig = "debug", seq_len: int = 64, mbs: int = 2, micro_batches: int = 2,
              precision: str = "bf16", recompute: str = "none", tp: int = 1, pp: int = 1,
-             fused_loss: bool | None = None, model_overrides: dict | None = None) -> Workload:
+             kernels=None, model_overrides: dict | None = None) -> Workload:
     cfg = get_preset(model) if isinstance(model, str) else model
     if model_overrides:
         cfg = cfg.with_overrides(**model_overrides)
-    return Workload(cfg, seq_len, mbs, micro_batches, Precision.named(precision), recompute, tp, pp, fused_loss)
+    return Workload(cfg, seq_len, mbs, micro_batches, Precision.named(precision), recompute, tp, pp, kernels)
+
+
+def saved_activation_bytes(model, batch: int, seq: int, tp: int = 1, dtype=None) -> int:
+    """Bytes autograd keeps for the first block's forward of `model` (models.llama.model.Llama, TP-made or
+    not): unique storages of the saved tensors (a DTensor's local shard), the model's own parameters and
+    buffers left out. The input is this rank's slice of the residual stream (seq / tp positions under
+    sequence parallelism)."""
+    import torch
+
+    def storage(t):
+        return getattr(t, "_local_tensor", t).untyped_storage()
+
+    owned = {storage(t).data_ptr() for t in (*model.parameters(), *model.buffers())}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = storage(t)
+        if st.data_ptr() not in owned:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    x = torch.randn(batch, seq // tp, model.cfg.dim, dtype=dtype or torch.float32, requires_grad=True)
+    cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.layers[0](x, cos, sin)
+    return sum(seen.values())

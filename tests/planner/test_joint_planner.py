@@ -173,18 +173,20 @@ def test_joint_stage_prices_the_loss_path_the_device_runs():
     import dataclasses
 
     from amsp.plan import Degrees
-    from amsp.planner.workload import Workload
+    from amsp.planner.workload import Kernels, Workload
+    from models.llama.fused import ALL_OPS
 
     cfg = get_preset("tiny").with_overrides(dim=256, n_layers=4, vocab_size=32000)
     prec = Precision.named("fp32")
     cluster = from_spec(load_preset("a100x8", 1))
     base = Setting(cfg, 256, prec, 1, 1, 8, 2, 4, {}, memory_margin=0.0, reserved_bytes=0.0)
+    fused, eager_loss = Kernels(frozenset(ALL_OPS)), Kernels(frozenset(ALL_OPS) - {"linear_cross_entropy"})
     mem = {}
-    for fused in (None, True, False):
-        pricer = _Candidate(dataclasses.replace(base, fused_loss=fused), cluster).pricers[0]
-        mem[fused] = pricer.memory(4, True, True, Degrees(1, 1, 1), False, 1)[0]
-    eager, fused_w = Workload(cfg, 256, 2, 4, prec, fused_loss=False), Workload(cfg, 256, 2, 4, prec)
-    assert mem[None] == mem[True] < mem[False]
-    assert mem[False] - mem[True] >= eager.head_activation_bytes() - fused_w.head_activation_bytes()
+    for name, kernels in (("default", None), ("fused", fused), ("eager", eager_loss)):
+        pricer = _Candidate(dataclasses.replace(base, kernels=kernels), cluster).pricers[0]
+        mem[name] = pricer.memory(4, True, True, Degrees(1, 1, 1), False, 1)[0]
+    eager, fused_w = Workload(cfg, 256, 2, 4, prec, kernels=eager_loss), Workload(cfg, 256, 2, 4, prec)
+    assert mem["default"] == mem["fused"] < mem["eager"]
+    assert mem["eager"] - mem["fused"] >= eager.head_activation_bytes() - fused_w.head_activation_bytes()
     piped = dataclasses.replace(base, pp=2, dp=4)
-    assert dataclasses.replace(piped, fused_loss=True).workload().head_loss_fused is False
+    assert dataclasses.replace(piped, kernels=fused).workload().head_loss_fused is False

@@ -14,6 +14,7 @@ from amsp.plan import Degrees, Plan, enumerate_degrees, make_plan
 from amsp.planner.cost_model import CostModel, Options, layout
 from amsp.planner.exhaustive import grid
 from amsp.planner.terms import GroupTerms
+from amsp.planner.workload import Kernels
 from amsp.schedule import step_collectives, totals
 from amsp.topology import Topology
 from models.llama.config import LlamaConfig, get_preset
@@ -138,13 +139,25 @@ def test_activation_formula_and_recomputation_order():
     cfg = get_preset("llama2_7b")
     w = workload(cfg, seq_len=4096, mbs=1, precision="bf16")
     h, f, t = 4096, cfg.ffn_hidden_dim, 4096
-    assert w.layer_activation_bytes("none") == (6 * h + 2 * h + 4 * f) * 2 * t
+    # fused norms keep their inputs (2h), the linears their inputs (2h), Q K V and the attention output
+    # (4h), the fused SwiGLU gate, up and product (3f); all bf16
+    assert w.layer_activation_bytes("none") == (8 * h + 3 * f) * 2 * t
+    eager = workload(cfg, seq_len=4096, mbs=1, precision="bf16", kernels=Kernels())
+    # the reference norms keep an fp32 input and a bf16 normalised output each, SiLU its input besides
+    assert eager.layer_activation_bytes("none") == (2 * (4 + 2) * h + (6 * h + 4 * f) * 2) * t
+    tp2 = workload(cfg, seq_len=4096, mbs=1, precision="bf16", tp=2)
+    # sequence-parallel norms run the reference on half the positions; the linears' inputs are
+    # all-gathered (whole sequence); heads and the MLP split in two
+    assert tp2.layer_activation_bytes("none") == (2 * (4 + 2) * h / 2 + (2 * h + (4 * h + 3 * f) / 2) * 2) * t
     assert w.layer_activation_bytes("full") == h * 2 * t
     none, sel, full = (workload(cfg, seq_len=4096, mbs=1, recompute=r).activation_bytes()
                        for r in ("none", "selective", "full"))
     assert full < sel < none
     gqa = LlamaConfig(dim=4096, n_layers=2, n_heads=32, n_kv_heads=8)
     assert workload(gqa).layer_activation_bytes() < workload(gqa.with_overrides(n_kv_heads=32)).layer_activation_bytes()
+    repeated = Kernels(fused=workload(gqa).run_kernels.fused, kv_repeated=True)  # SDPA on CPU: K/V copied per head
+    assert workload(gqa, kernels=repeated).layer_activation_bytes() == \
+        workload(gqa.with_overrides(n_kv_heads=32)).layer_activation_bytes()
 
 
 def test_a_node_nics_are_shared_by_its_concurrent_groups():

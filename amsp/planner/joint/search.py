@@ -27,6 +27,7 @@ from amsp.schedule import Precision
 from models.llama.config import LlamaConfig
 
 from .hetero import HeteroCluster, NodeGroup
+from ..workload import Kernels
 from .stage_cost import Setting, StageChoice, StagePricer, unit_costs
 
 INF = float("inf")
@@ -238,10 +239,10 @@ def plan_joint(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, glob
                reserved_bytes: float = 2**30, overlap_slowdown: float | None = None,
                unit_times: dict | None = None, progress=None, overlap_spread: bool = False,
                spread_window: int = 2, optimizer_s_per_elem: dict | None = None,
-               fused_loss: bool | None = None) -> list[JointPlan]:
+               kernels: Kernels | None = None, sequence_parallel: bool = True) -> list[JointPlan]:
     """Ranked feasible joint plans (fastest first). InputError when nothing fits. overlap_spread /
     spread_window: the engine's (amsp.overlap_spread, amsp.spread_window), for the memory model;
-    fused_loss: whether the head's loss runs fused on the device (Workload.fused_loss)."""
+    kernels / sequence_parallel: what the run executes (Workload.kernels, parallel.sequence_parallel)."""
     t0 = time.perf_counter()
     world, gpn = cluster.world, cluster.ranks_per_node
     eff = efficiency or {}
@@ -258,7 +259,7 @@ def plan_joint(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, glob
                 continue
             s = Setting(model, seq_len, precision, tp, pp, dp, mbs, B, eff, memory_margin, reserved_bytes,
                         overlap_slowdown, unit_times or {}, overlap_spread, spread_window, optimizer_s_per_elem or {},
-                        fused_loss)
+                        kernels, sequence_parallel)
             cand = _Candidate(s, cluster)
             bounds = cand.split()
             if bounds is None:
@@ -375,7 +376,8 @@ def price_config(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, gl
                  memory_margin: float = 0.08, reserved_bytes: float = 2**30,
                  overlap_slowdown: float | None = None, unit_times: dict | None = None,
                  overlap_spread: bool = False, spread_window: int = 2,
-                 optimizer_s_per_elem: dict | None = None, fused_loss: bool | None = None) -> tuple[float, dict] | None:
+                 optimizer_s_per_elem: dict | None = None, kernels: Kernels | None = None,
+                 sequence_parallel: bool = True) -> tuple[float, dict] | None:
     """Predicted step seconds and terms of one named configuration (benchmarks compare it with a run),
     or None when it does not fit. layer_split: blocks per stage (None: the DP's split); the terms carry
     the split priced under "layer_split"."""
@@ -383,7 +385,7 @@ def price_config(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, gl
     B = global_batch // (dp * micro_batch_size)
     s = Setting(model, seq_len, precision, tp, pp, dp, micro_batch_size, B, efficiency or {}, memory_margin,
                 reserved_bytes, overlap_slowdown, unit_times or {}, overlap_spread, spread_window,
-                optimizer_s_per_elem or {}, fused_loss)
+                optimizer_s_per_elem or {}, kernels, sequence_parallel)
     cand = _Candidate(s, cluster)
     if layer_split is None:
         bounds = cand.split()

@@ -20,6 +20,7 @@ reduce-scatter, the OS-replica all-reduce and the spread once per step, hidden b
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from amsp.plan import Degrees, enumerate_degrees
@@ -28,7 +29,7 @@ from models.llama.config import LlamaConfig
 
 from ..comm_time import collective_seconds
 from ..cost_model import layout
-from ..workload import Workload
+from ..workload import Kernels, Workload, default_kernels
 from .hetero import HeteroCluster, NodeGroup, group_as_cluster
 
 OPTIM_BYTES_TOUCHED = 28  # per element of an OS shard: master, two moments read + written, the gradient read
@@ -60,13 +61,22 @@ class Setting:
     # node preset name -> seconds of one AdamW step per OS element, measured at startup
     # (compute_profile.time_optimizer); missing: the node's memory bandwidth prices it
     optimizer_s_per_elem: dict = field(default_factory=dict)
-    # the head's loss runs fused on the run's device (Workload.fused_loss; None: wherever it can)
-    fused_loss: bool | None = None
+    # what the run's device executes (Workload.kernels; None: every op model.fused enables, fused)
+    kernels: Kernels | None = None
+    sequence_parallel: bool = True  # parallel.sequence_parallel
 
     def workload(self, recompute: str = "none") -> Workload:
         # pp = 1: a stage's own layers (the loss of a pipeline runs in its loss function, never fused)
         return Workload(self.model, self.seq_len, self.micro_batch_size, self.micro_batches, self.precision,
-                        recompute=recompute, tp=self.tp, pp=1, fused_loss=self.fused_loss if self.pp == 1 else False)
+                        recompute=recompute, tp=self.tp, pp=1, kernels=self.stage_kernels(),
+                        sequence_parallel=self.sequence_parallel)
+
+    def stage_kernels(self) -> Kernels:
+        kernels = self.kernels or default_kernels(self.model)
+        if self.pp == 1:
+            return kernels
+        # a pipeline computes the loss in its loss function, never through the fused head
+        return dataclasses.replace(kernels, fused=kernels.fused - {"linear_cross_entropy"})
 
 
 def _adjacent_pairs(sizes: list) -> list:
@@ -163,7 +173,6 @@ class StagePricer:
         w, wf = s.workload("none"), s.workload("full")
         self.layer_act = {False: w.layer_activation_bytes(), True: wf.layer_activation_bytes()}
         self.head_act = w.head_activation_bytes()
-        self.loss_transient = w.parallel_loss_transient_bytes()
         self.loss_backward = w.loss_backward_transient_bytes(pipelined=s.pp > 1)
         # the pipeline's receive buffers of one direction (workload.pipeline_buffer_bytes): a stage
         # without the embedding receives activations, one without the head output gradients
@@ -185,10 +194,9 @@ class StagePricer:
         stage's units: model states throughout, then the larger of two phases. Forward/backward: the
         largest pair of units gathered together (current + prefetched, forward order), a pair's flat
         gradients on their way to the reduce-scatter (g = 1: one parameter's gradient per unit; on the
-        last stage the loss backward's transient where that is larger), the activations of the micro-batches in flight
-        (1F1B) and, with tensor parallelism, the vocabulary-parallel loss's transients. The optimizer
-        step: the OS-shard gradients held from the sync to the update. The parameter spread's window
-        joins the phase it runs in."""
+        last stage the loss backward's transient where that is larger), the activations of the
+        micro-batches in flight (1F1B). The optimizer step: the OS-shard gradients held from the sync to
+        the update. The parameter spread's window joins the phase it runs in."""
         s, prec = self.s, self.s.precision
         pe, pb, ph = self.params
         tied_here = embed and head and not ph  # one embedding+head unit, gathered through the whole forward
@@ -219,8 +227,7 @@ class StagePricer:
         per_mb = n_blocks * self.layer_act[recompute] + (self.head_act if head else 0.0)
         acts = (in_flight * per_mb + (self.layer_act[False] if recompute else 0.0)
                 + self.recv_buffers * ((not embed) + (not head)))
-        loss = self.loss_transient if head else 0.0
-        transient = buckets + acts + loss
+        transient = buckets + acts
         if emb_pair is not None:
             transient = max(transient, emb_pair + (in_flight - 1) * per_mb + self.recv_buffers * (not head))
         fwd_bwd = gathered + transient + (spread if s.overlap_spread else 0.0)
@@ -228,7 +235,7 @@ class StagePricer:
         tensors = states + max(fwd_bwd, step)
         total = tensors * (1 + s.memory_margin) + s.reserved_bytes
         # parts add up to the tensor peak: what the step needs beyond forward/backward is its own part
-        return total, {"states": states, "buffers": fwd_bwd - acts - loss, "activations": acts + loss,
+        return total, {"states": states, "buffers": fwd_bwd - acts, "activations": acts,
                        "step_extra": max(0.0, step - fwd_bwd), "reserve": total - tensors}
 
     def fits(self, n_blocks: int, embed: bool, head: bool, recompute: bool, in_flight: int) -> bool:
