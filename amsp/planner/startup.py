@@ -134,16 +134,20 @@ def measured_compute(cfg: DictConfig, denv, device: torch.device) -> ComputeProf
 
 def kernels_for_run(cfg: DictConfig, device) -> Kernels:
     """The kernels this run's model executes on `device` (kernels_for_model)."""
+    from amsp.compile import resolve_compile
     from configs.schema import to_llama_config
 
-    return kernels_for_model(to_llama_config(cfg.model), device, timing_dtype(cfg, torch.device(device)))
+    device = torch.device(device)
+    return kernels_for_model(to_llama_config(cfg.model), device, timing_dtype(cfg, device),
+                             compiled=resolve_compile(cfg.model.compile, device))
 
 
-def kernels_for_model(model, device, dtype_name: str) -> Kernels:
+def kernels_for_model(model, device, dtype_name: str, compiled: bool = False) -> Kernels:
     """The kernels a model (LlamaConfig) executes on `device` in `dtype_name`, as far as they change its
     activation memory (Workload.kernels): the fused ops with a native kernel there, the norm backend
-    (Transformer Engine's RMSNorm keeps its input and rstd, as the fused one does) and whether attention
-    takes repeated K/V copies (PyTorch SDPA except in bf16/fp16 on CUDA; models/llama/backends.py)."""
+    (Transformer Engine's RMSNorm keeps its input and rstd, as the fused one does), whether attention
+    takes repeated K/V copies (PyTorch SDPA except in bf16/fp16 on CUDA; models/llama/backends.py) and
+    whether the blocks are compiled (model.compile; the engine compiles them only with tp = pp = 1)."""
     from models.llama.backends import resolve_attention, resolve_norm
     from models.llama.fused import ops_running
 
@@ -152,7 +156,7 @@ def kernels_for_model(model, device, dtype_name: str) -> Kernels:
         fused |= {"rms_norm"}
     half_on_cuda = torch.device(device).type == "cuda" and dtype_name in ("bf16", "fp16")
     kv_repeated = resolve_attention(model.attention) == "sdpa" and not half_on_cuda
-    return Kernels(fused=frozenset(fused), kv_repeated=kv_repeated)
+    return Kernels(fused=frozenset(fused), kv_repeated=kv_repeated, compiled=compiled)
 
 
 def _solve(cfg, cluster, p, run_dir, profile: ComputeProfile | None = None,

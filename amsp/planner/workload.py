@@ -55,9 +55,14 @@ class Kernels:
     kernel on the run's device (models.llama.fused.ops_running; under tensor parallelism the model still
     runs the loss, and with sequence parallelism the norms, eagerly), and whether the attention kernel
     takes repeated K/V copies for grouped-query heads (SDPA on CPU and in fp32 on CUDA) rather than
-    the grouped heads themselves (cuDNN / flash SDPA in bf16, flash-attn, Transformer Engine)."""
+    the grouped heads themselves (cuDNN / flash SDPA in bf16, flash-attn, Transformer Engine); and
+    whether the blocks run under torch.compile (amsp/compile.py; only with tp = pp = 1), whose
+    partitioner recomputes each norm's normalised output and SiLU in the backward and so keeps what the
+    fused kernels keep (a compiled block on CPU, eager references inside: its saved tensors within 1% of
+    the fused-kernel formula, fp32 and bf16, 23-30% under the eager one)."""
     fused: frozenset = frozenset()
     kv_repeated: bool = False
+    compiled: bool = False
 
 
 def default_kernels(model: LlamaConfig) -> Kernels:
@@ -113,8 +118,14 @@ class Workload:
         Under sequence parallelism the norms see DTensors and run the reference
         (amsp.parallel.tensor_parallel._use_unfused_where_sharded)."""
         e = self.act_bytes
-        fused = "rms_norm" in self.run_kernels.fused and not (self.tp > 1 and self.sequence_parallel)
+        fused = self.runs_fused("rms_norm") and not (self.tp > 1 and self.sequence_parallel)
         return (e if fused else 4 + e) * self.model.dim * self.stream_fraction
+
+    def runs_fused(self, op: str) -> bool:
+        """Whether `op` keeps what its fused kernel keeps: the kernel runs, or a compiled block recomputes
+        what the eager reference would keep (compiled only with tp = pp = 1)."""
+        kernels = self.run_kernels
+        return op in kernels.fused or (kernels.compiled and self.tp == 1 and self.pp == 1)
 
     # ---- units ----
     @property
@@ -208,7 +219,7 @@ class Workload:
         kernels = self.run_kernels
         # repeated K/V are copies, except of a single local KV head (backends.repeat_kv's reshape is a view)
         kv = h if kernels.kv_repeated and m.n_kv_heads // tp > 1 else hkv
-        swiglu = 3 if "swiglu" in kernels.fused else 4
+        swiglu = 3 if self.runs_fused("swiglu") else 4
         per_token = 2 * self.norm_kept_bytes() + 2 * h * e + ((2 * h + 2 * kv) + swiglu * f) * e / tp
         return per_token * t
 

@@ -220,3 +220,34 @@ def test_startup_names_the_kernels_the_device_runs():
     if CUDA_EXTENSION.lib is None:
         assert kernels_for_model(cfg, "cuda", "bf16") == Kernels(frozenset(), kv_repeated=False)
         assert kernels_for_model(cfg, "cuda", "fp32") == Kernels(frozenset(), kv_repeated=True)
+
+
+def test_compiled_blocks_keep_what_the_fused_kernels_keep():
+    """model.compile (on by default on CUDA, where csrc's kernels are often not built): inductor's
+    partitioner recomputes the eager norms' normalised outputs and SiLU in the backward, so a compiled
+    block with the eager references keeps what the fused-kernel formula prices (Kernels.compiled), far
+    less than the eager formula. bf16, as on a GPU."""
+    import torch
+
+    from amsp.planner.startup import kernels_for_model
+    from amsp.schedule import Precision
+    from models.llama.config import get_preset
+    from models.llama.model import Llama
+    from tests.planner.planner_cases import saved_activation_bytes
+
+    torch.manual_seed(0)
+    batch, seq = 2, 128
+    cfg = get_preset("debug").with_overrides(fused="off", max_seq_len=seq, dim=256, n_heads=8, n_kv_heads=4)
+    model = Llama(cfg)
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    block = model.layers[0]
+    block.forward = torch.compile(block.forward, fullgraph=True)
+    measured = saved_activation_bytes(model, batch, seq, dtype=torch.bfloat16)
+
+    def priced(compiled: bool) -> float:
+        kernels = kernels_for_model(cfg, "cpu", "bf16", compiled=compiled)
+        return Workload(cfg, seq, batch, 1, Precision.named("bf16"), kernels=kernels).layer_activation_bytes()
+
+    assert measured == pytest.approx(priced(True), rel=0.03)
+    assert priced(False) > 1.2 * measured

@@ -75,8 +75,9 @@ class Setting:
         kernels = self.kernels or default_kernels(self.model)
         if self.pp == 1:
             return kernels
-        # a pipeline computes the loss in its loss function, never through the fused head
-        return dataclasses.replace(kernels, fused=kernels.fused - {"linear_cross_entropy"})
+        # a pipeline computes the loss in its loss function, never through the fused head, and its
+        # blocks are not compiled (amsp/build.py)
+        return dataclasses.replace(kernels, fused=kernels.fused - {"linear_cross_entropy"}, compiled=False)
 
 
 def _adjacent_pairs(sizes: list) -> list:
