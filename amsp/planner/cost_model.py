@@ -185,6 +185,7 @@ class GroupCost:
     gathered_bytes: dict  # role -> bytes of one gathered unit (0 when p = 1)
     spread_bytes: dict  # role -> bytes one unit's in-flight parameter spread holds (0 when os = p)
     bucket_bytes: dict  # role -> bytes one unit's gradients hold on their way to the G shard
+    fill_bytes: dict  # role -> bytes of the autograd gradient in copy while that unit's buffer fills
     parts: dict = field(default_factory=dict)  # params / grads / optim / grad_sync bytes
     exposed_by_phase: dict = field(default_factory=dict)
     sync_bytes: int = 0  # grad_sync: held at the optimizer step only (not in state_bytes)
@@ -299,6 +300,24 @@ class CostModel:
             return padded_numel(self._numel[role], deg) * self._gb
         return self.w.largest_param_numel(role) * self._pb
 
+    def grad_fill_bytes(self, role: str, deg: Degrees) -> int:
+        """With g > 1, the autograd gradient a unit's hook is copying into its flat buffer while the unit
+        fills (amsp.flat_unit take_grad): its largest parameter's, compute dtype, beside the buffers.
+        With g = 1 the bucket is that gradient already; the fused head's weight gradient is the d/dW its
+        forward kept (priced with the head's activations)."""
+        if deg.g == 1 or (role == "head" and self.w.head_loss_fused):
+            return 0
+        return self.w.largest_param_numel(role) * self._pb
+
+    def bucket_events(self) -> list[tuple[tuple[str, ...], str, float]]:
+        """(units whose gradient buckets are held, the unit filling, bytes credited) where the buckets
+        peak: a unit filling while the unit after it in forward order (before it in the backward) is in
+        flight, as buffer_pairs with their offsets; and the head, first in the backward, filling alone."""
+        events = [(pair[:2], pair[0], off) for pair, off in zip(self.buffer_pairs(), self.bucket_pair_offsets())]
+        if "head" in self._numel:
+            events.append((("head",), "head", 0.0))
+        return events
+
     def bucket_pair_offsets(self) -> list[float]:
         """Per buffer_pairs entry, bytes to take off its gradient buckets before they join the
         activations. The (untied) embedding is the last unit of the backward: its gradient (vocab x dim)
@@ -312,13 +331,13 @@ class CostModel:
         credit = self.constant_memory()["activations"] - self.w.activation_bytes_at_embedding_backward()
         return [credit if pair == ("embedding", "block") else 0.0 for pair in self.buffer_pairs()]
 
-    def peak_grad_buckets(self, buckets: dict) -> float:
-        """The bucket term beside the full activations: the largest pair of units' gradient buckets
-        (the embedding's pair less its offset), or on the last stage the unfused loss backward's
-        transient where larger (it runs before any parameter gradient exists)."""
-        pairs = [sum(buckets[r] for r in pair[:2]) - off
-                 for pair, off in zip(self.buffer_pairs(), self.bucket_pair_offsets())]
-        return max(max(pairs), self.w.loss_backward_transient_bytes())
+    def peak_grad_buckets(self, buckets: dict, fills: dict) -> float:
+        """The bucket term beside the full activations: the largest of the bucket events (held buckets
+        plus the filling unit's gradient in copy, the embedding's pair less its offset), or on the last
+        stage the unfused loss backward's transient where larger (it runs before any parameter gradient
+        exists)."""
+        events = [sum(buckets[r] for r in roles) + fills[filler] - off for roles, filler, off in self.bucket_events()]
+        return max(max(events), self.w.loss_backward_transient_bytes())
 
     def constant_memory(self) -> dict:
         """Activations (the loss's transients are in the bucket term: Workload.loss_backward_transient_bytes)."""
@@ -442,7 +461,7 @@ class CostModel:
 
     def group_cost(self, group: str, deg: Degrees) -> GroupCost:
         exposed, parts, by_phase, gathered = 0.0, dict.fromkeys(STATE_PARTS, 0), {}, {}
-        spread, buckets = {}, {}
+        spread, buckets, fills = {}, {}, {}
         comm = 0.0
         for role, count in self.roles_of(group):
             comm += count * sum(x.seconds * x.count for x in self._role_collectives(role, deg).values())
@@ -454,8 +473,10 @@ class CostModel:
             gathered[role] = self.gathered_bytes(role, deg)
             spread[role] = self.spread_bytes(role, deg)
             buckets[role] = self.grad_bucket_bytes(role, deg)
+            fills[role] = self.grad_fill_bytes(role, deg)
         resident = sum(v for k, v in parts.items() if k != "grad_sync")
-        return GroupCost(exposed, comm, resident, gathered, spread, buckets, parts, by_phase, parts["grad_sync"])
+        return GroupCost(exposed, comm, resident, gathered, spread, buckets, fills, parts, by_phase,
+                         parts["grad_sync"])
 
     def peak_gathered(self, gathered: dict) -> int:
         """Largest pair of simultaneously gathered units (role -> bytes of one gathered unit)."""
@@ -468,7 +489,7 @@ class CostModel:
         collectives: list[Priced] = []
         exposed = {}
         parts = dict.fromkeys(STATE_PARTS, 0)
-        gathered, buckets = {}, {}
+        gathered, buckets, fills = {}, {}, {}
         spread = 0
         for unit, role in self.w.unit_roles():
             deg = plan.for_group(unit.group)
@@ -479,12 +500,13 @@ class CostModel:
                 parts[part] += b
             gathered[role] = self.gathered_bytes(role, deg)
             buckets[role] = self.grad_bucket_bytes(role, deg)
+            fills[role] = self.grad_fill_bytes(role, deg)
             spread = max(spread, self.spread_bytes(role, deg))
         collectives += self.grad_norm()
         memory = dict(parts)
         memory["gathered"] = self.peak_gathered(gathered)
         memory["spread"] = self.spread_window * spread
-        memory["buckets"] = self.peak_grad_buckets(buckets)
+        memory["buckets"] = self.peak_grad_buckets(buckets, fills)
         memory.update(self.constant_memory())
         # The peak is the larger of two phases, not the sum of everything: forward/backward holds the
         # activations, gathered units and gradient buckets; the optimizer step holds the OS-shard

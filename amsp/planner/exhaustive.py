@@ -26,10 +26,12 @@ def grid(t: GroupTerms) -> tuple[np.ndarray, np.ndarray]:
     time = t.constant_s + t.exposed_s[0][:, None] + t.exposed_s[1][None, :]
     gathered = None
     buckets = t.bucket_floor
-    for pair, offset in zip(t.pairs, t.bucket_offsets):
+    for pair in t.pairs:
         term = sum(_role_axis(t, r) for r in pair)
         gathered = term if gathered is None else np.maximum(gathered, term)
-        buckets = np.maximum(buckets, sum(_role_axis(t, r, t.buckets) for r in pair[:2]) - offset)
+    for roles, filler, offset in t.bucket_events:
+        held = sum(_role_axis(t, r, t.buckets) for r in roles) + _role_axis(t, filler, t.fills)
+        buckets = np.maximum(buckets, held - offset)
     spread = None
     for role in t.spread:
         term = _role_axis(t, role, t.spread)

@@ -3,9 +3,10 @@
 Variables: x[g, c] binary, one per unit group g (blocks, embed_head) and valid triple c
 (amsp.plan.enumerate_degrees is the pre-filter for the ordering, divisibility and fill-a-node rules),
 with sum_c x[g, c] = 1; a continuous z >= the bytes of every pair of simultaneously gathered units
-(current + prefetched next), which linearises that max exactly, a continuous u >= every pair of
-units' gradient buckets (the embedding's pair less its offset: it arrives after the activations are
-gone) and >= the loss backward's transient (bucket_floor), and a continuous y >=
+(current + prefetched next), which linearises that max exactly, a continuous u >= every bucket event
+(a unit's gradient bucket filling, its gradient in copy, the next unit's bucket in flight; the
+embedding's pair less its offset: it arrives after the activations are gone) and >= the loss
+backward's transient (bucket_floor), and a continuous y >=
 every role's in-flight spread bytes (the largest unit's spread, times the window W).
 Memory (every rank holds the same shards), the peak of two phases, each within the budget:
     forward/backward: sum_{g,c} x[g,c] * state_bytes[g,c] + z + u + activations [+ W * y] <= budget
@@ -65,9 +66,11 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
         gi = t.role_group[role]
         return pulp.lpSum(x[gi, ci] * (per_role[role][ci] / GIB) for (g, ci) in x if g == gi)
 
-    for n, (pair, offset) in enumerate(zip(t.pairs, t.bucket_offsets)):
+    for n, pair in enumerate(t.pairs):
         prob += z >= pulp.lpSum(role_expr(r, t.gathered) for r in pair), f"gathered_set_{n}"
-        prob += u >= pulp.lpSum(role_expr(r, t.buckets) for r in pair[:2]) - offset / GIB, f"grad_buckets_{n}"
+    for n, (roles, filler, offset) in enumerate(t.bucket_events):
+        prob += (u >= pulp.lpSum(role_expr(r, t.buckets) for r in roles) + role_expr(filler, t.fills) - offset / GIB,
+                 f"grad_buckets_{n}")
     for role in t.spread:
         prob += y >= role_expr(role, t.spread), f"spread_{role}"
     fwd_spread, step_spread = (t.spread_window * y, 0) if t.spread_in_forward else (0, t.spread_window * y)
@@ -99,8 +102,11 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
     i, j = chosen[0], chosen[1]
     step = t.constant_s + t.exposed_s[0, i] + t.exposed_s[1, j]
     gathered = max(sum(t.gathered[r][chosen[t.role_group[r]]] for r in pair) for pair in t.pairs)
-    buckets = max([t.bucket_floor] + [sum(t.buckets[r][chosen[t.role_group[r]]] for r in pair[:2]) - offset
-                                      for pair, offset in zip(t.pairs, t.bucket_offsets)])
+    def at(role, per_role):
+        return per_role[role][chosen[t.role_group[role]]]
+
+    buckets = max([t.bucket_floor] + [sum(at(r, t.buckets) for r in roles) + at(filler, t.fills) - offset
+                                      for roles, filler, offset in t.bucket_events])
     spread = t.spread_window * max(t.spread[r][chosen[t.role_group[r]]] for r in t.spread)
     fwd_spread, step_spread = (spread, 0) if t.spread_in_forward else (0, spread)
     memory = (t.state_bytes[0, i] + t.state_bytes[1, j]

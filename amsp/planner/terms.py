@@ -5,7 +5,8 @@ the bytes of one gathered unit, of one unit's in-flight parameter spread and of 
 bucket. The step time of a plan is `constant_s` plus the two groups' exposed seconds; its memory is
 the two groups' state bytes, the spread window (spread_window times the largest unit's spread
 transient) and the larger of two phases: forward/backward (the largest simultaneously gathered pair
-of units, the largest pair of gradient buckets or the loss backward's transient `bucket_floor`, and
+of units, the largest bucket event (held gradient buckets plus the gradient in copy) or the loss
+backward's transient `bucket_floor`, and
 the degree-independent activations) or the optimizer step (the OS-shard gradients).
 """
 from __future__ import annotations
@@ -28,8 +29,9 @@ class GroupTerms:
     gathered: dict  # role -> np.ndarray over candidates (bytes of one gathered unit of that role)
     spread: dict  # role -> np.ndarray over candidates (bytes of one unit's in-flight spread)
     buckets: dict  # role -> np.ndarray over candidates (bytes of one unit's gradient bucket)
+    fills: dict  # role -> np.ndarray over candidates (the gradient in copy while that unit fills)
     bucket_floor: float  # the buckets' term is at least this (the unfused loss backward's transient)
-    bucket_offsets: list  # per pair: bytes its buckets are credited (cost_model.bucket_pair_offsets)
+    bucket_events: list  # (roles held, role filling, bytes credited): cost_model.bucket_events
     spread_window: int  # units whose spread may be in flight at once
     spread_in_forward: bool  # the spread overlaps the next forward (else it follows the update)
     role_group: dict  # role -> group index
@@ -48,6 +50,7 @@ class GroupTerms:
         gathered: dict = {}
         spread: dict = {}
         buckets: dict = {}
+        fills: dict = {}
         role_group: dict = {}
         for gi, group in enumerate(UNIT_GROUPS):
             for ci, d in enumerate(cands):
@@ -60,8 +63,10 @@ class GroupTerms:
                     spread.setdefault(role, np.zeros(len(cands)))[ci] = b
                 for role, b in gc.bucket_bytes.items():
                     buckets.setdefault(role, np.zeros(len(cands)))[ci] = b
-        return cls(cands, exposed, state, sync, gathered, spread, buckets, model.w.loss_backward_transient_bytes(),
-                   model.bucket_pair_offsets(),
+                for role, b in gc.fill_bytes.items():
+                    fills.setdefault(role, np.zeros(len(cands)))[ci] = b
+        return cls(cands, exposed, state, sync, gathered, spread, buckets, fills,
+                   model.w.loss_backward_transient_bytes(), model.bucket_events(),
                    model.spread_window, model.o.overlap_spread, role_group, model.buffer_pairs(),
                    model.constant_time_s(), sum(model.constant_memory().values()), model.memory_budget(),
                    np.inf if model.o.state_budget_bytes is None else float(model.o.state_budget_bytes))

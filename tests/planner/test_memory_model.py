@@ -108,7 +108,8 @@ def test_measured_peaks_are_within_ten_percent(tmp_path):
 
 
 def test_gradient_buckets_follow_the_gradient_degree():
-    """g > 1: a pair of units' flat reduce-scatter buffers (grad dtype); g = 1: each gradient is added
+    """g > 1: a pair of units' flat reduce-scatter buffers (grad dtype) and the gradient being copied
+    into the one filling (compute dtype); g = 1: each gradient is added
     into the G shard in its own hook (amsp.flat_unit take_grad), so one parameter's autograd gradient
     per unit (compute dtype): the fused head's weight gradient is its forward's d/dW, already priced
     with the head's activations. The ILP and the grid agree with evaluate() on mixed degrees."""
@@ -127,13 +128,20 @@ def test_gradient_buckets_follow_the_gradient_degree():
     assert g1 == max(2 * ffn * 2, (vocab + ffn) * 2 - credit) == 2 * ffn * 2
     g8 = m.evaluate(Plan(Degrees(1, 8, 8), Degrees(1, 8, 8), name="x")).memory["buckets"]
     flat = (w.block_numel + w.head_numel) * w.precision.grad_bytes  # a block's and the head's flat buffers
-    assert g8 == pytest.approx(flat, rel=1e-3)
+    # ... and the block's largest gradient, being copied into its buffer while the head's is in flight
+    assert g8 == pytest.approx(flat + ffn * 2, rel=1e-3)
     assert g1 < g8
     grid_matches_evaluate(m)
     tp2 = CostModel(workload("tiny", seq_len=128, mbs=2, micro_batches=2, precision="bf16", tp=2), flat_cluster(1, 8))
     assert not any(tp2.bucket_pair_offsets())  # tp > 1: no credit (Workload.embedding_gradient_comes_last)
     unfused = workload("tiny", seq_len=128, mbs=2, micro_batches=2, precision="bf16", kernels=EAGER_LOSS)
     assert unfused.largest_param_numel("head") == vocab
+    # the eager head fills first, alone: its flat buffer and its vocab x dim autograd gradient in copy
+    mu = CostModel(unfused, flat_cluster(1, 8), Options())
+    head_alone = mu.evaluate(Plan(Degrees(1, 8, 8), Degrees(1, 8, 8), name="x")).memory["buckets"]
+    assert head_alone == pytest.approx(max(unfused.head_numel * 2 + vocab * 2, flat + ffn * 2,
+                                           unfused.loss_backward_transient_bytes()), rel=1e-3)
+    grid_matches_evaluate(mu)
 
 
 def test_head_memory_follows_the_loss_path_that_runs():

@@ -181,6 +181,7 @@ class StagePricer:
         # one parameter's autograd gradient per unit when g = 1 (cost_model.grad_bucket_bytes)
         self.largest = {role: w.largest_param_numel(role) for role in ("embedding", "block", "head")}
         self.embedding_last = w.embedding_gradient_comes_last
+        self.head_fused = w.head_loss_fused
 
     # ---- compute ----
     def compute_s(self, n_blocks: int, embed: bool, head: bool, recompute: bool) -> float:
@@ -194,8 +195,9 @@ class StagePricer:
         """Peak bytes of one rank of the stage, the AMSP planner's accounting (cost_model.py) over the
         stage's units: model states throughout, then the larger of two phases. Forward/backward: the
         largest pair of units gathered together (current + prefetched, forward order), a pair's flat
-        gradients on their way to the reduce-scatter (g = 1: one parameter's gradient per unit; on the
-        last stage the loss backward's transient where that is larger), the activations of the
+        gradients on their way to the reduce-scatter with the gradient being copied into the filling
+        one (g = 1: one parameter's gradient per unit; on the last stage the loss backward's transient
+        where that is larger), the activations of the
         micro-batches in flight (1F1B). The optimizer step: the OS-shard gradients held from the sync to
         the update. The parameter spread's window joins the phase it runs in."""
         s, prec = self.s, self.s.precision
@@ -209,11 +211,19 @@ class StagePricer:
         gathered = gathered_units * prec.param_bytes if deg.p > 1 else 0.0
         # the gradient pair (g = 1: one parameter's autograd gradient per unit), or on the last stage
         # the loss backward's transient if larger (it runs before any gradient exists)
+        lb, le, lh = self.largest["block"], self.largest["embedding"], self.largest["head"]
+        one = ([le] if embed else []) + [lb] * n_blocks + ([lh] if head and ph else [])
         if deg.g > 1:
-            grad_pairs = [x * prec.grad_bytes for x in pairs]
+            # a unit's flat buffer filling (and the gradient in copy) while the next unit's is in flight
+            # (cost_model.bucket_events); the head, first in the backward, alone; the fused head's
+            # gradient is the d/dW its forward kept
+            fill = [x * prec.param_bytes for x in one]
+            if head and ph and self.head_fused:
+                fill[-1] = 0.0
+            grad_pairs = [x * prec.grad_bytes + f for x, f in zip(pairs, fill)]
+            if head and ph and len(order) > 1:
+                grad_pairs.append(order[-1] * prec.grad_bytes + fill[-1])
         else:
-            lb, le, lh = self.largest["block"], self.largest["embedding"], self.largest["head"]
-            one = ([le] if embed else []) + [lb] * n_blocks + ([lh] if head and ph else [])
             grad_pairs = [x * prec.param_bytes for x in _adjacent_pairs(one)]
         # the untied embedding's pair arrives last in the backward, beside only the other micro-batches
         # in flight and the receive buffers (Workload.embedding_gradient_comes_last)
