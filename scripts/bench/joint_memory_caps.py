@@ -19,6 +19,7 @@ A group's own usage counter is no peak here: it fills with reclaimable page cach
     python scripts/bench/joint_memory_caps.py --json /tmp/jm/caps.json            # needs root (cgroup v1)
     python scripts/bench/joint_memory_caps.py --cap-mib 1400 --limit 4
     python scripts/bench/joint_memory_caps.py --fidelity --json /tmp/jm/fidelity.json   # no cgroups needed
+    python scripts/bench/joint_memory_caps.py --reprice /tmp/jm/fidelity.json   # the same runs, this model
 """
 from __future__ import annotations
 
@@ -97,17 +98,21 @@ def mark_build_start(out_path: str) -> None:
     atexit.register(report)
 
 
+def load_parallel_runtime() -> None:
+    """Every run loads the parallel runtime's modules before anything else (torch.distributed.pipelining
+    alone adds 29 MiB of resident code and data when a pipelined run imports it): they are part of the
+    runtime the reserve measures, the same in every run, not the model's tensors the fidelity mode
+    compares with its base. A capped rank loads them after joining its group."""
+    import torch.distributed.pipelining  # noqa: F401
+    import torch.distributed.tensor.parallel  # noqa: F401
+
+
 def rank_shim(cap_mib: int, tag_dir: str, argv: list[str]) -> None:
     """This rank's own memory group at the cap (cap 0: uncapped, peak above the build measured), then
     train.py in this process."""
     rank = os.environ.get("RANK", "0")
-    # Every run loads the parallel runtime's modules first (torch.distributed.pipelining alone adds
-    # 29 MiB of resident code and data when a pipelined run imports it): they are part of the runtime
-    # the reserve measures, the same in every run, and not the model's tensors the fidelity mode
-    # compares with its base.
-    import torch.distributed.pipelining  # noqa: F401
-    import torch.distributed.tensor.parallel  # noqa: F401
     if cap_mib == 0:
+        load_parallel_runtime()
         mark_build_start(os.path.join(tag_dir, f"peak{rank}.json"))
         sys.argv = ["train.py", *argv]
         os.chdir(ROOT)
@@ -121,6 +126,7 @@ def rank_shim(cap_mib: int, tag_dir: str, argv: list[str]) -> None:
         f.write(str(os.getpid()))
     with open(os.path.join(tag_dir, f"rank{rank}"), "w") as f:
         f.write(group)
+    load_parallel_runtime()  # inside the group: charged to it, as the reserve counts it
     sys.argv = ["train.py", *argv]
     os.chdir(ROOT)
     runpy.run_path(os.path.join(ROOT, "train.py"), run_name="__main__")
@@ -269,6 +275,26 @@ def fidelity(configs, json_path: str | None, t0: float) -> int:
     return 0
 
 
+def reprice(path: str) -> int:
+    """A --fidelity run's measurements priced again by the memory model of this checkout (the
+    measurements do not depend on the planner): per stage, predicted against measured, then the mean
+    and worst errors."""
+    rows = json.load(open(path))["rows"]
+    choices, errors = {}, []
+    for r in rows:
+        c = (r["tp"], r["pp"], tuple(r["degrees"]), r["mbs"])
+        if c not in choices:
+            choices[c] = stage_choices(*c, 0.0, MODEL)
+        parts = {k: v / MIB for k, v in choices[c][r["stage"]].memory_parts.items() if k != "reserve"}
+        pred, got = sum(parts.values()), r["measured_mib"]
+        errors.append((pred - got) / got)
+        shown = ", ".join(f"{k} {v:.0f}" for k, v in parts.items())
+        print(f"{c} stage {r['stage']}: predicted {pred:.0f} MiB ({shown}), measured {got:.0f} MiB ({errors[-1]:+.1%})")
+    print(f"{len(errors)} stages: mean |error| {statistics.mean(abs(e) for e in errors):.1%}, worst "
+          f"{min(errors):+.1%} / {max(errors):+.1%}, within 10%: {sum(abs(e) <= 0.10 for e in errors)}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cap-mib", type=int, default=0, help="per-rank cap (default: the median predicted peak)")
@@ -278,6 +304,7 @@ def main() -> int:
     ap.add_argument("--fidelity", action="store_true",
                     help="no caps: each rank's peak above its pre-build resident set against its stage's "
                          "predicted tensors (no margin, no reserve)")
+    ap.add_argument("--reprice", metavar="JSON", help="price a --fidelity run's measurements again (no runs)")
     ap.add_argument("--rank-shim", type=int, help=argparse.SUPPRESS)  # internal: one capped rank
     ap.add_argument("--tag-dir", help=argparse.SUPPRESS)
     ap.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
@@ -285,6 +312,8 @@ def main() -> int:
     if a.rank_shim is not None:
         rank_shim(a.rank_shim, a.tag_dir, a.rest)
         return 0
+    if a.reprice:
+        return reprice(a.reprice)
     if not os.access(CGROUP, os.W_OK):
         raise SystemExit(f"{CGROUP} is not writable: needs root and a cgroup-v1 memory controller")
     t0 = time.time()
