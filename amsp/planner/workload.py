@@ -24,10 +24,14 @@ repeated K/V copies), the tensors autograd keeps in `none` mode are, per layer:
              kernel; silu(gate) besides with the eager one, 4 f e T / tp
 (scripts/bench/joint_memory_caps.py's model, fp32, T = 512, saved tensors counted through
 torch.autograd.graph.saved_tensors_hooks: 24.0 MiB per layer at tp 1 with the CPU kernels, 15.0 at
-tp 2; a test holds the formula to the saved tensors.)
+tp 2; a test holds the formula to the saved tensors. Resident set kept by 4 blocks' forward, MHA:
+24.07 / 15.08 MiB per layer, and with selective recomputation 18.54 / 10.79 MiB against 18.50 / 10.75
+priced; a test holds these too.)
   selective: the model's policy keeps matmul and attention outputs and recomputes norms, rotary and
-             SiLU: layer input, Q, K, V, attention out, wo out, w1 out, w3 out, w2 out
-                                                                            -> (5h + 2h_kv + 2f) e T / tp
+             SiLU: layer input, Q, K, V, attention out, w1 out, w3 out, and wo out, w2 out, which
+             under TP are whole-sequence partial sums before their reduce-scatter
+                                                 -> (r h + (2h + 2h_kv + 2f) / tp + 2h) e T
+             (tp 1: 5h + 2h_kv + 2f)
   full:      the layer input only (e r h T), plus one layer's `none` set while it is recomputed.
 The output head keeps its norm's input, the projection's (whole-sequence) input and the logits in
 the compute dtype plus an fp32 copy for the loss: (norm + h e + V (e + 4) / tp) T. Where the head computes the
@@ -213,7 +217,8 @@ class Workload:
         hkv = m.n_kv_heads * m.head_dim
         mode = mode or self.recompute
         if mode == "selective":
-            return (5 * h + 2 * hkv + 2 * f) * e * t / tp
+            # the row-parallel projections' matmul outputs are whole-sequence partial sums (h each)
+            return (h * self.stream_fraction + (2 * h + 2 * hkv + 2 * f) / tp + 2 * h) * e * t
         if mode == "full":
             return h * e * t * self.stream_fraction
         kernels = self.run_kernels

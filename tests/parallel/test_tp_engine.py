@@ -20,6 +20,7 @@ from amsp.planner.startup import kernels_for_model
 from amsp.planner.workload import Workload
 from amsp.schedule import Precision
 from amsp.train_state import load_training_state, save_training_state
+from models.llama.config import get_preset
 from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -157,6 +158,25 @@ def _run(rank: int, world: int, cases: list[dict]) -> list[dict]:
             with data_plane():
                 out.append({"case": case, "bytes": saved_activation_bytes(model, 2, 64, tp=tp)})
             continue
+        if case.get("kept"):  # resident set a forward keeps per block, with and without selective recompute
+            from amsp.parallel.tensor_parallel import parallelize_llama
+            from amsp.routing_check import data_plane
+            from models.llama.model import Llama
+            from tests.planner.planner_cases import kept_per_layer_bytes
+
+            kept = {}
+            for layout in (1, tp):
+                for mode in ("none", "selective"):
+                    torch.manual_seed(0)
+                    model = Llama(KEPT_MODEL.with_overrides(activation_checkpointing=mode))
+                    if layout > 1:
+                        parallelize_llama(model, meshes[tp]["tp"], sequence_parallel=True, loss_parallel=True,
+                                          seq_len=KEPT_SEQ)
+                    with data_plane():
+                        kept[(layout, mode)] = kept_per_layer_bytes(model, 2, KEPT_SEQ, tp=layout)
+                    del model
+            out.append({"case": case, "kept": kept})
+            continue
         if case.get("profile_cache"):  # parallel.auto's startup: measured once, then read from its cache
             from amsp.launch import DistEnv
             from amsp.parallel.joint_startup import measured_tp_units
@@ -214,7 +234,12 @@ CASES = [
     {"tp": 2, "profile": True},
     {"tp": 2, "embedding_grad": True},
     {"tp": 2, "saved": True},
+    {"tp": 2, "kept": True},
 ]
+# big enough that every kept tensor is served by mmap (the resident set then follows them); grouped K/V
+# with 2 local KV heads at tp 2, so SDPA's repeated copies are real ones
+KEPT_SEQ = 256
+KEPT_MODEL = get_preset("debug").with_overrides(dim=768, n_heads=12, n_kv_heads=4, n_layers=4, max_seq_len=KEPT_SEQ)
 
 
 def test_tp_dp_equals_single_process(tmp_path):
@@ -237,7 +262,12 @@ def test_tp_dp_equals_single_process(tmp_path):
     predicted = Workload(cfg.with_overrides(max_seq_len=64), 64, 2, 1, Precision.named("fp32"), tp=2,
                          kernels=kernels).layer_activation_bytes()
     assert saved["bytes"] == pytest.approx(predicted, rel=0.05), (saved, predicted)
-    print("TP block saved", saved["bytes"], "predicted", predicted)
+    (kept,) = [r for r in results[0] if r["case"].get("kept")]
+    for (layout, mode), got in kept["kept"].items():  # the per-layer term against the resident set
+        w = Workload(KEPT_MODEL, KEPT_SEQ, 2, 1, Precision.named("fp32"), recompute=mode, tp=layout,
+                     kernels=kernels_for_model(KEPT_MODEL, "cpu", "fp32"))
+        priced = w.layer_activation_bytes()
+        assert got == pytest.approx(priced, rel=0.05), (layout, mode, got, priced)
     (cached,) = [r for r in results[0] if r["case"].get("profile_cache")]
     assert list(cached["first"]) == [(None, 2)] and cached["again"] == cached["first"], cached  # tp 2 in a node of 2
     assert list(cached["by_group"]) == [("fast", 2), ("slow", 2)] and cached["by_group_again"] == cached["by_group"]
@@ -249,7 +279,7 @@ def test_tp_dp_equals_single_process(tmp_path):
     assert all(0 < t < 60 for t in profiles[0]), profiles[0]
     for r in results[0]:
         c = r["case"]
-        if c.get("profile") or c.get("profile_cache") or c.get("embedding_grad") or c.get("saved"):
+        if any(c.get(k) for k in ("profile", "profile_cache", "embedding_grad", "saved", "kept")):
             continue
         if c.get("fault"):
             assert r["norm_err"] > 1e-5, f"counting replicated copies on every TP rank went unnoticed: {r}"
@@ -257,5 +287,6 @@ def test_tp_dp_equals_single_process(tmp_path):
         assert r["loss_err"] <= 1e-5 and r["norm_err"] <= 1e-5 and r["param_err"] <= 1e-5, r
     for rank_results in results[1:]:  # every rank checked its own shards
         for r in rank_results:
-            if not any(r["case"].get(k) for k in ("fault", "profile", "profile_cache", "embedding_grad", "saved")):
+            if not any(r["case"].get(k) for k in ("fault", "profile", "profile_cache", "embedding_grad", "saved",
+                                                  "kept")):
                 assert r["param_err"] <= 1e-5, r

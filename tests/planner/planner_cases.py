@@ -51,3 +51,39 @@ def saved_activation_bytes(model, batch: int, seq: int, tp: int = 1, dtype=None)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model.layers[0](x, cos, sin)
     return sum(seen.values())
+
+
+def kept_per_layer_bytes(model, batch: int, seq: int, tp: int = 1) -> float:
+    """Resident bytes a forward through all of `model`'s blocks keeps, per block: what autograd saves,
+    recomputation's own caches included (selective recomputation keeps its tensors where saved-tensor
+    hooks do not see them). glibc is set to serve blocks over 64 KiB by mmap and to trim at once (for
+    the rest of this process), so the resident set follows the live tensors; a warm-up pass first."""
+    import ctypes
+    import gc
+
+    import torch
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+    libc.mallopt(-1, 0)  # M_TRIM_THRESHOLD
+
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+    x = torch.randn(batch, seq // tp, model.cfg.dim, requires_grad=True)
+    cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]
+
+    def forward():
+        h = x
+        for block in model.layers:
+            h = block(h, cos, sin)
+        return h
+
+    out = forward()
+    (out.to_local() if hasattr(out, "to_local") else out).sum().backward()
+    del out
+    gc.collect()
+    base = rss()
+    out = forward()  # noqa: F841 (kept alive while measured)
+    return (rss() - base) / len(model.layers)
