@@ -112,14 +112,14 @@ def _plan(cfg, denv, device, run_dir, mixed, r, points, profiles: dict, tp_times
     if not profiles:
         sources.append(f"amsp.planner.mfu={p.mfu}")
     cluster = dataclasses.replace(cluster, groups=tuple(groups))
+    kernels = kernels_for_run(cfg, device)
     plans = plan_joint(model, cluster, seq_len=seq, global_batch=global_batch, precision=prec, efficiency=eff,
                        top_k=p.top_k, memory_margin=p.memory_margin, reserved_bytes=p.reserved_gib * 2**30,
                        overlap_slowdown=p.overlap_slowdown, unit_times=units,
                        overlap_spread=bool(cfg.amsp.overlap_spread), spread_window=int(cfg.amsp.spread_window),
                        optimizer_s_per_elem=optimizer or None,
-                       kernels=kernels_for_run(cfg, device),
-                       sequence_parallel=bool(cfg.parallel.sequence_parallel))
-    text = f"joint planner (compute: {'; '.join(sources)})\n" + format_joint(plans, cluster)
+                       kernels=kernels, sequence_parallel=bool(cfg.parallel.sequence_parallel))
+    text = f"joint planner (compute: {'; '.join(sources)}; {kernels.describe()})\n" + format_joint(plans, cluster)
     log.info("%s", text)
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)

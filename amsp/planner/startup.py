@@ -166,7 +166,7 @@ def _solve(cfg, cluster, p, run_dir, profile: ComputeProfile | None = None,
     options = options_from_config(cfg, profile)
     res = plan_cluster(w, cluster, options, top_k=p.top_k, time_limit_s=p.time_limit_s)
     columns, rows = res.wandb_table()
-    text = cluster.describe(overlap_slowdown_of(options, cluster)) + "\n" + res.table()
+    text = "\n".join([cluster.describe(overlap_slowdown_of(options, cluster)), w.run_kernels.describe(), res.table()])
     log.info("planner (%.2f s):\n%s", time.perf_counter() - t0, text)
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)

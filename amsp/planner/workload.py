@@ -68,6 +68,12 @@ class Kernels:
     kv_repeated: bool = False
     compiled: bool = False
 
+    def describe(self) -> str:
+        """One line for the planner's startup log and plan.txt: what the activations are priced for."""
+        return (f"activations priced for: fused ops {', '.join(sorted(self.fused)) or 'none'}; "
+                f"K/V {'repeated per query head' if self.kv_repeated else 'grouped'}; "
+                f"blocks {'compiled' if self.compiled else 'eager'}")
+
 
 def default_kernels(model: LlamaConfig) -> Kernels:
     """What the planner assumes without a device to ask: every op model.fused enables runs fused."""

@@ -225,6 +225,9 @@ def test_startup_names_the_kernels_the_device_runs():
     cfg = get_preset("debug")
     assert kernels_for_model(cfg, "cpu", "fp32") == Kernels(frozenset(AUTO_OPS), kv_repeated=True)
     assert kernels_for_model(cfg.with_overrides(fused="off"), "cpu", "fp32") == Kernels(frozenset(), True)
+    assert kernels_for_model(cfg, "cpu", "fp32").describe() == (
+        "activations priced for: fused ops linear_cross_entropy, rms_norm, rope, swiglu; K/V repeated per "
+        "query head; blocks eager")
     if CUDA_EXTENSION.lib is None:
         assert kernels_for_model(cfg, "cuda", "bf16") == Kernels(frozenset(), kv_repeated=False)
         assert kernels_for_model(cfg, "cuda", "fp32") == Kernels(frozenset(), kv_repeated=True)
