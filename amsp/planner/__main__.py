@@ -47,12 +47,18 @@ def compose_config(overrides: list[str]):
         return compose(config_name="train", overrides=overrides)
 
 
+def kernels_json(k) -> dict:
+    """The kernels the activations are priced for (Workload.kernels; the CLI assumes, train.py asks)."""
+    return {"fused": sorted(k.fused), "kv_repeated": k.kv_repeated, "compiled": k.compiled}
+
+
 def inputs_json(cfg, w, cluster, options, model: CostModel) -> dict:
     """What the plans were priced with: workload, cluster figures, options, where compute came from."""
     workload = {"model": dataclasses.asdict(w.model), "seq_len": w.seq_len, "micro_batch_size": w.micro_batch_size,
                 "micro_batches": w.micro_batches, "precision": precision_name(cfg, cluster),
                 "param_bytes": w.precision.param_bytes, "grad_bytes": w.precision.grad_bytes,
-                "recompute": w.recompute, "tp": w.tp, "pp": w.pp, "params_per_replica": w.params_per_rank()}
+                "recompute": w.recompute, "tp": w.tp, "pp": w.pp, "params_per_replica": w.params_per_rank(),
+                "kernels": kernels_json(w.run_kernels)}
     opts = dataclasses.asdict(options)
     return {"workload": workload, "cluster": cluster_json(cluster), "options": opts,
             "bandwidth_source": cluster.source, "compute_source": model.compute_source,
@@ -117,6 +123,7 @@ def _run(mode: str, args) -> int:
     out(f"model {cfg.model.name}: {w.params_per_rank() / 1e9:.2f}B parameters per replica, seq_len {w.seq_len}, "
         f"{w.micro_batches} micro-batch(es) of {w.micro_batch_size} per rank, {precision_name(cfg, cluster)}, "
         f"recomputation {w.recompute}, tp {w.tp}, pp {w.pp}; compute from {model.compute_source}")
+    out(f"{w.run_kernels.describe()} (assumed here; train.py's startup asks its device)")
     if args.price:
         plans = [parse_plan(text, model.dp_world, model.dp_per_node) for text in args.price]
         costs = [price_plan(w, cluster, options, plan) for plan in plans]
@@ -139,6 +146,7 @@ def _run_joint(cfg, args) -> int:
 
     from .joint.hetero import from_spec, load_hetero
     from .joint.search import format_joint, plan_joint
+    from .workload import default_kernels
 
     cluster = load_hetero(args.hetero) if args.hetero else from_spec(cluster_spec(cfg))
     p = planner_config(cfg)
@@ -157,15 +165,18 @@ def _run_joint(cfg, args) -> int:
     plans = plan_joint(to_llama_config(cfg.model), cluster, seq_len=seq, global_batch=global_batch, precision=prec,
                        efficiency=eff, top_k=p.top_k, memory_margin=p.memory_margin,
                        reserved_bytes=p.reserved_gib * 2**30, progress=log,
-                       overlap_spread=bool(cfg.amsp.overlap_spread), spread_window=int(cfg.amsp.spread_window))
+                       overlap_spread=bool(cfg.amsp.overlap_spread), spread_window=int(cfg.amsp.spread_window),
+                       sequence_parallel=bool(cfg.parallel.sequence_parallel))
+    kernels = default_kernels(to_llama_config(cfg.model))  # what plan_joint assumes without a device
     if args.json:
         print(json.dumps({"choice": plans[0].to_json(), "alternatives": [x.to_json() for x in plans[1:]],
                           "inputs": {"cluster": cluster.describe(), "model": cfg.model.name, "seq_len": seq,
                                      "global_batch": global_batch, "efficiency": eff,
-                                     "precision": precision_name(cfg, cluster.groups[0].spec)}}))
+                                     "precision": precision_name(cfg, cluster.groups[0].spec),
+                                     "kernels": kernels_json(kernels)}}))
     else:
         print(f"model {cfg.model.name}, seq_len {seq}, global batch {global_batch} samples; compute at "
-              + ", ".join(f"{k} {v:.0%}" for k, v in eff.items()) + " of peak")
+              + ", ".join(f"{k} {v:.0%}" for k, v in eff.items()) + f" of peak; {kernels.describe()} (assumed)")
         print(format_joint(plans, cluster))
     return 0
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 from amsp.schedule import Precision, Unit
 from models.llama.config import LlamaConfig
-from models.llama.fused import ALL_OPS, AUTO_OPS
+from models.llama.fused_ops import ALL_OPS, AUTO_OPS
 
 RECOMPUTE_MODES = ("none", "full", "selective")
 # models/llama/fused.py default_chunk: about 8M fp32 logits per chunk of the fused head's forward

@@ -13,20 +13,9 @@ import threading
 
 import torch
 
+from .fused_ops import ALL_OPS, AUTO_OPS
+
 log = logging.getLogger(__name__)
-
-ALL_OPS = ("rms_norm", "rope", "swiglu", "linear_cross_entropy")
-
-# What `model.fused=auto` enables: only ops that beat eager by >= 1.2x in time or peak memory in
-# scripts/bench/bench_fused.py on this project's CPU machines. Measurements and the derivation:
-# BENCHMARKS.md, section "csrc fused CPU ops". Re-run the benchmark and update both together.
-# Decision table from the 2026-11-22 run (fp32, 1 thread, CPU time; fwd+bwd vs eager):
-AUTO_OPS: dict[str, str] = {
-    "rms_norm": "4.20x time, 5.04x memory",
-    "rope": "3.09x time, 2.52x memory",
-    "swiglu": "1.27x time, 2.00x memory",
-    "linear_cross_entropy": "1.24x time, 4.82x memory",
-}
 
 _registered = False
 _lock = threading.Lock()

@@ -101,6 +101,24 @@ def test_cli_json_has_the_choice_every_candidate_and_the_inputs(capsys):
     assert inputs["cluster"]["name"] == "a800x8" and "all_gather|inter" in inputs["cluster"]["curves"]
     assert inputs["compute_source"].startswith("FLOPs at 45% MFU") and inputs["bandwidth_source"] == "preset"
     assert "mfu" in inputs["options"]
+    # what the activations were priced for (the CLI assumes; train.py's startup asks its device)
+    assert inputs["workload"]["kernels"] == {"fused": ["linear_cross_entropy", "rms_norm", "rope", "swiglu"],
+                                             "kv_repeated": False, "compiled": False}
+
+
+def test_cli_plans_without_importing_torch():
+    """The CLI starts fast because nothing it imports loads torch (the planner's memory model reads the
+    fused ops' names from models/llama/fused_ops.py, not fused.py). Both planners, in a fresh process."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from amsp.planner.__main__ import main\n"
+            f"assert main({ISSUE_ARGS!r}) == 0\n"
+            "assert main(['--joint', 'model=llama2_7b', 'cluster=h100x8', 'cluster.nodes=2', 'data.seq_len=4096',"
+            " 'trainer.global_batch_size=64']) == 0\n"
+            "assert 'torch' not in sys.modules, 'the planner CLI imported torch'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=300)
 
 
 def test_cli_prices_named_plans(capsys):
