@@ -102,6 +102,7 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
     i, j = chosen[0], chosen[1]
     step = t.constant_s + t.exposed_s[0, i] + t.exposed_s[1, j]
     gathered = max(sum(t.gathered[r][chosen[t.role_group[r]]] for r in pair) for pair in t.pairs)
+
     def at(role, per_role):
         return per_role[role][chosen[t.role_group[role]]]
 

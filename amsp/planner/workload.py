@@ -96,6 +96,9 @@ class Workload:
     kernels: Kernels | None = None
     # the residual stream is split over the TP group between blocks (parallel.sequence_parallel)
     sequence_parallel: bool = True
+    # one stage of a pipeline priced on its own (the joint planner's per-stage workloads have pp = 1):
+    # its loss runs in the pipeline's loss function and its blocks are not compiled, as with pp > 1
+    pipeline_stage: bool = False
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE_MODES:
@@ -110,10 +113,15 @@ class Workload:
         return self.kernels if self.kernels is not None else default_kernels(self.model)
 
     @property
+    def pipelined(self) -> bool:
+        """Whether the model runs under a pipeline schedule (pp > 1, or a stage priced on its own)."""
+        return self.pp > 1 or self.pipeline_stage
+
+    @property
     def head_loss_fused(self) -> bool:
         """Whether the head's loss runs fused (the pipeline's loss function and DTensor's loss_parallel
         are never fused)."""
-        if self.tp > 1 or self.pp > 1:
+        if self.tp > 1 or self.pipelined:
             return False
         return "linear_cross_entropy" in self.run_kernels.fused
 
@@ -133,9 +141,9 @@ class Workload:
 
     def runs_fused(self, op: str) -> bool:
         """Whether `op` keeps what its fused kernel keeps: the kernel runs, or a compiled block recomputes
-        what the eager reference would keep (compiled only with tp = pp = 1)."""
+        what the eager reference would keep (compiled only with tp = pp = 1: amsp/build.py)."""
         kernels = self.run_kernels
-        return op in kernels.fused or (kernels.compiled and self.tp == 1 and self.pp == 1)
+        return op in kernels.fused or (kernels.compiled and self.tp == 1 and not self.pipelined)
 
     # ---- units ----
     @property
@@ -242,7 +250,7 @@ class Workload:
             return m.vocab_size * m.dim * e + m.dim * e * t + rows * m.vocab_size * 4 + widened
         return (self.norm_kept_bytes() + m.dim * e + m.vocab_size * (e + 4) / self.tp) * t
 
-    def loss_backward_transient_bytes(self, pipelined: bool | None = None) -> float:
+    def loss_backward_transient_bytes(self) -> float:
         """The unfused cross-entropy's backward on the last stage, before any parameter gradient
         exists: its fp32 working tensors of the local logits' size, 2 for the plain cross-entropy
         (pp > 1: the pipeline's loss function) and 3 under DTensor's loss_parallel (tp > 1). RSS of
@@ -254,10 +262,8 @@ class Workload:
         (under loss_parallel one local logits tensor beyond what the head keeps: its log-softmax holds
         the shifted logits and their exponent) is gone before this one, which is larger, begins: the
         models charge the larger alone (a tp 2 run's head stage measured +94 MiB over its forward's end
-        in the loss, 3.0 local logits; summing both over-predicted it by 31 MiB). `pipelined` overrides
-        pp > 1 (the joint planner prices each stage with a pp = 1 workload)."""
-        pipelined = self.pp > 1 if pipelined is None else pipelined
-        if self.head_loss_fused and not pipelined:
+        in the loss, 3.0 local logits; summing both over-predicted it by 31 MiB)."""
+        if self.head_loss_fused:
             return 0.0
         return self.tokens_per_micro_batch * self.model.vocab_size / self.tp * 4 * (3 if self.tp > 1 else 2)
 

@@ -26,8 +26,8 @@ from amsp.parallel.micro_batches import micro_batch_problem
 from amsp.schedule import Precision
 from models.llama.config import LlamaConfig
 
-from .hetero import HeteroCluster, NodeGroup
 from ..workload import Kernels
+from .hetero import HeteroCluster, NodeGroup
 from .stage_cost import Setting, StageChoice, StagePricer, unit_costs
 
 INF = float("inf")

@@ -20,7 +20,6 @@ reduce-scatter, the OS-replica all-reduce and the spread once per step, hidden b
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from amsp.plan import Degrees, enumerate_degrees
@@ -29,7 +28,7 @@ from models.llama.config import LlamaConfig
 
 from ..comm_time import collective_seconds
 from ..cost_model import layout
-from ..workload import Kernels, Workload, default_kernels
+from ..workload import Kernels, Workload
 from .hetero import HeteroCluster, NodeGroup, group_as_cluster
 
 OPTIM_BYTES_TOUCHED = 28  # per element of an OS shard: master, two moments read + written, the gradient read
@@ -66,18 +65,10 @@ class Setting:
     sequence_parallel: bool = True  # parallel.sequence_parallel
 
     def workload(self, recompute: str = "none") -> Workload:
-        # pp = 1: a stage's own layers (the loss of a pipeline runs in its loss function, never fused)
+        # pp = 1: a stage's own layers, priced as one stage of the pipeline when pp > 1
         return Workload(self.model, self.seq_len, self.micro_batch_size, self.micro_batches, self.precision,
-                        recompute=recompute, tp=self.tp, pp=1, kernels=self.stage_kernels(),
-                        sequence_parallel=self.sequence_parallel)
-
-    def stage_kernels(self) -> Kernels:
-        kernels = self.kernels or default_kernels(self.model)
-        if self.pp == 1:
-            return kernels
-        # a pipeline computes the loss in its loss function, never through the fused head, and its
-        # blocks are not compiled (amsp/build.py)
-        return dataclasses.replace(kernels, fused=kernels.fused - {"linear_cross_entropy"}, compiled=False)
+                        recompute=recompute, tp=self.tp, pp=1, kernels=self.kernels,
+                        sequence_parallel=self.sequence_parallel, pipeline_stage=self.pp > 1)
 
 
 def _adjacent_pairs(sizes: list) -> list:
@@ -174,7 +165,7 @@ class StagePricer:
         w, wf = s.workload("none"), s.workload("full")
         self.layer_act = {False: w.layer_activation_bytes(), True: wf.layer_activation_bytes()}
         self.head_act = w.head_activation_bytes()
-        self.loss_backward = w.loss_backward_transient_bytes(pipelined=s.pp > 1)
+        self.loss_backward = w.loss_backward_transient_bytes()
         # the pipeline's receive buffers of one direction (workload.pipeline_buffer_bytes): a stage
         # without the embedding receives activations, one without the head output gradients
         self.recv_buffers = w.pipeline_buffer_bytes(first=True, last=False, stages=s.pp)
