@@ -32,6 +32,7 @@ _CUDA_BF16_TFLOPS = {
     "A100": 312.0,
     "L40S": 362.0,
     "A10G": 125.0,
+    "V100": 125.0,  # fp16 tensor cores (no bf16 ones)
 }
 
 

@@ -72,8 +72,8 @@ def _plan(cfg, denv, device, run_dir, mixed, r, points, profiles: dict, tp_times
     from ..planner.from_config import cluster_spec, planner_config, precision_name
     from ..planner.joint.hetero import from_spec
     from ..planner.joint.search import format_joint, plan_joint
+    from ..planner.joint_inputs import joint_compute
     from ..planner.startup import kernels_for_run, with_probe
-    from ..planner.workload import Workload
     from ..schedule import Precision
 
     p = planner_config(cfg)
@@ -88,36 +88,14 @@ def _plan(cfg, denv, device, run_dir, mixed, r, points, profiles: dict, tp_times
         cluster = dataclasses.replace(mixed, groups=tuple(dataclasses.replace(g, spec=with_probe(g.spec, points, p))
                                                           for g in mixed.groups))
     prec = Precision.named(precision_name(cfg, cluster.groups[0].spec))
-    eff, units, optimizer, sources = {}, {}, {}, []
-    groups = []
-    for g in cluster.groups:
-        mine = {m: v for (grp, m), v in profiles.items() if grp in (g.name, None)}
-        for m, v in mine.items():  # tp 1: the profile's own units
-            units[(g.name, 1, m)] = (v.block_forward_s + v.block_backward_s, v.head_forward_backward_s, v.embedding_s)
-        prof = mine.get(mbs)
-        spec = g.spec
-        if prof is not None:  # the measured block forward against its FLOPs at this kind of node's peak
-            w = Workload(model, seq, mbs, 1, prec)
-            eff[g.name] = min(1.0, w.block_forward_flops() / (prof.block_forward_s * spec.peak_flops))
-            if prof.optimizer_s_per_elem is not None:
-                optimizer[g.name] = prof.optimizer_s_per_elem
-            if prof.overlap_slowdown is not None and p.overlap_slowdown is None:
-                spec = dataclasses.replace(spec, overlap_slowdown=prof.overlap_slowdown)
-            sources.append(f"{'' if mixed is None else g.name + ': '}{prof.source}: one block's forward at "
-                           f"{eff[g.name]:.0%} of the peak")
-        else:
-            eff[g.name] = float(p.mfu)
-        units.update({(g.name, tp, m): v for (grp, tp, m), v in tp_times.items() if grp in (g.name, None)})
-        groups.append(dataclasses.replace(g, spec=spec))
-    if not profiles:
-        sources.append(f"amsp.planner.mfu={p.mfu}")
-    cluster = dataclasses.replace(cluster, groups=tuple(groups))
+    jc = joint_compute(cluster, profiles, tp_times, model, seq, mbs, prec, p.mfu, p.overlap_slowdown)
+    cluster, sources = jc.cluster, jc.sources
     kernels = kernels_for_run(cfg, device)
-    plans = plan_joint(model, cluster, seq_len=seq, global_batch=global_batch, precision=prec, efficiency=eff,
-                       top_k=p.top_k, memory_margin=p.memory_margin, reserved_bytes=p.reserved_gib * 2**30,
-                       overlap_slowdown=p.overlap_slowdown, unit_times=units,
-                       overlap_spread=bool(cfg.amsp.overlap_spread), spread_window=int(cfg.amsp.spread_window),
-                       optimizer_s_per_elem=optimizer or None,
+    plans = plan_joint(model, cluster, seq_len=seq, global_batch=global_batch, precision=prec,
+                       efficiency=jc.efficiency, top_k=p.top_k, memory_margin=p.memory_margin,
+                       reserved_bytes=p.reserved_gib * 2**30, overlap_slowdown=p.overlap_slowdown,
+                       unit_times=jc.unit_times, overlap_spread=bool(cfg.amsp.overlap_spread),
+                       spread_window=int(cfg.amsp.spread_window), optimizer_s_per_elem=jc.optimizer_s_per_elem or None,
                        kernels=kernels, sequence_parallel=bool(cfg.parallel.sequence_parallel))
     text = f"joint planner (compute: {'; '.join(sources)}; {kernels.describe()})\n" + format_joint(plans, cluster)
     log.info("%s", text)
@@ -134,8 +112,8 @@ def measured_profiles(cfg: DictConfig, denv, device, groups: list[str] | None) -
     from ..planner.from_config import planner_config
     from ..planner.startup import cores_shared, measured_compute, timing_dtype
 
-    if groups is None:
-        return {None: measured_compute(cfg, denv, device)}
+    if groups is None:  # eager blocks, as the TP units are timed: only tp = pp = 1 runs compile theirs
+        return {None: measured_compute(cfg, denv, device, compiled=False)}
     from configs.schema import to_llama_config
 
     p = planner_config(cfg)

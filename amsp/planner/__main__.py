@@ -30,10 +30,10 @@ from amsp.errors import InputError
 from amsp.schedule import Precision
 from configs.schema import register_configs
 
-from .compute_profile import load_profile
+from .compute_profile import load_profile, load_profiles
 from .cost_model import CostModel, overlap_slowdown_of
 from .from_config import (cluster_spec, options_from_config, planner_config, precision_name,
-                          refuse_state_budget_for_joint, workload_from_config)
+                          refuse_state_budget_for_joint, with_model_parallel, workload_from_config)
 from .report import NoFeasiblePlan, cluster_json, format_table, plan_cost_json
 from .simulate import DEFAULT_GPUS, format_simulation, simulate
 from .solve import parse_plan, plan_cluster, price_plan
@@ -45,6 +45,40 @@ def compose_config(overrides: list[str]):
     register_configs()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         return compose(config_name="train", overrides=overrides)
+
+
+def checked_config(overrides: list[str]):
+    """The composed config, refused as one line (InputError; exit status 2) when an override names an
+    unknown key or preset, has the wrong type, or a value outside its range (configs/validate.py, the
+    checks train.py runs before anything starts)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from configs.validate import validate_config
+
+    try:
+        cfg = compose_config(overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        cause = e.__cause__ if e.__cause__ is not None and str(e.__cause__) not in str(e) else None
+        raise InputError("config: " + " ".join(f"{e} {cause or ''}".split())) from e
+    validate_config(cfg)
+    return cfg
+
+
+def refuse_ignored_options(mode: str, args) -> None:
+    """An option the chosen planner does not read is an error, not silently dropped."""
+    if args.joint:
+        ignored = [name for name, given in (("simulate", mode == "simulate"), ("--price", bool(args.price)))
+                   if given]
+        if ignored:
+            raise InputError(f"{' and '.join(ignored)}: not available with --joint (the joint planner ranks its "
+                             f"whole space; name a plan's tp/pp with parallel.* and use the AMSP planner to price "
+                             f"its degrees)")
+    else:
+        ignored = [o for o, v in (("--hetero", args.hetero), ("--efficiency", args.efficiency)) if v]
+        if ignored:
+            raise InputError(f"{' and '.join(ignored)} {'apply' if len(ignored) > 1 else 'applies'} only with "
+                             f"--joint (the joint planner)")
 
 
 def kernels_json(k) -> dict:
@@ -98,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(mode: str, args) -> int:
-    cfg = compose_config(args.overrides)
+    refuse_ignored_options(mode, args)
+    cfg = with_model_parallel(checked_config(args.overrides))
     if args.joint:
         return _run_joint(cfg, args)
     cluster = cluster_spec(cfg)
@@ -110,7 +145,7 @@ def _run(mode: str, args) -> int:
     if mode == "simulate":
         r = cluster.ranks_per_node
         rows = simulate(lambda n: workload_from_config(cfg, cluster.with_shape(max(1, n // r), min(r, n))),
-                        cluster, options, [int(x) for x in args.gpus.split(",")])
+                        cluster, options, gpu_counts(args.gpus))
         if args.json:
             print(json.dumps({"simulation": rows, "cluster": cluster_json(cluster)}))
             return 0
@@ -141,42 +176,85 @@ def _run(mode: str, args) -> int:
     return 0
 
 
+def gpu_counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise InputError(f"--gpus {text}: expected comma-separated GPU counts >= 1, e.g. 8,64,1024")
+    return counts
+
+
+def efficiency_file(path: str, groups: set) -> dict:
+    """--efficiency: {node group: fraction of its peak in (0, 1]}; a key naming no group is refused."""
+    try:
+        data = json.loads(pathlib.Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"got {type(data).__name__}")
+        eff = {str(k): float(v) for k, v in data.items()}
+    except (OSError, ValueError, TypeError) as e:
+        raise InputError(f"--efficiency {path}: not a JSON object of node group -> fraction of peak ({e})") from e
+    unknown = sorted(set(eff) - groups)
+    if unknown:
+        raise InputError(f"--efficiency {path}: {', '.join(unknown)} name no node group of the cluster (groups: "
+                         f"{', '.join(sorted(groups))})")
+    bad = [f"{k}={v}" for k, v in eff.items() if not 0 < v <= 1]
+    if bad:
+        raise InputError(f"--efficiency {path}: {', '.join(bad)}: a fraction of peak must be in (0, 1]")
+    return eff
+
+
 def _run_joint(cfg, args) -> int:
     from configs.schema import to_llama_config
 
     from .joint.hetero import from_spec, load_hetero
     from .joint.search import format_joint, plan_joint
+    from .joint_inputs import joint_compute
     from .workload import default_kernels
 
     cluster = load_hetero(args.hetero) if args.hetero else from_spec(cluster_spec(cfg))
     p = planner_config(cfg)
     refuse_state_budget_for_joint(p)
-    eff = {g.name: float(p.mfu) for g in cluster.groups}
-    if args.efficiency:
-        try:
-            eff.update({k: float(v) for k, v in json.loads(pathlib.Path(args.efficiency).read_text()).items()})
-        except (OSError, ValueError, AttributeError) as e:
-            raise InputError(f"--efficiency {args.efficiency}: not a JSON object of preset -> fraction ({e})")
-    seq = int(cfg.data.seq_len)
+    model = to_llama_config(cfg.model)
+    seq, mbs = int(cfg.data.seq_len), int(cfg.trainer.micro_batch_size)
     tokens = OmegaConf.select(cfg, "trainer.global_batch_tokens")
     global_batch = int(tokens) // seq if tokens else int(cfg.trainer.global_batch_size)
     prec = Precision.named(precision_name(cfg, cluster.groups[0].spec))
+    # Compute: a profile file (tp 1 units per node group, as train.py's startup measures them), else
+    # the fraction of peak each kind of node reaches (--efficiency, else amsp.planner.mfu).
+    profiles = {}
+    if args.compute_profile:
+        if args.efficiency:
+            raise InputError("--compute-profile and --efficiency: give one (a profile sets each group's efficiency)")
+        names = {g.name for g in cluster.groups}
+        for group, prof in load_profiles(args.compute_profile).items():
+            if group is not None and group not in names:
+                raise InputError(f"--compute-profile {args.compute_profile}: node group {group!r} is not in the "
+                                 f"cluster (groups: {', '.join(sorted(names))})")
+            profiles[(group, mbs)] = prof
+    jc = joint_compute(cluster, profiles, {}, model, seq, mbs, prec, p.mfu, p.overlap_slowdown)
+    cluster, eff = jc.cluster, jc.efficiency
+    if args.efficiency:
+        eff.update(efficiency_file(args.efficiency, {g.name for g in cluster.groups}))
     log = (lambda msg: None) if args.json else (lambda msg: print(msg, file=sys.stderr))
-    plans = plan_joint(to_llama_config(cfg.model), cluster, seq_len=seq, global_batch=global_batch, precision=prec,
+    plans = plan_joint(model, cluster, seq_len=seq, global_batch=global_batch, precision=prec,
                        efficiency=eff, top_k=p.top_k, memory_margin=p.memory_margin,
-                       reserved_bytes=p.reserved_gib * 2**30, progress=log,
+                       reserved_bytes=p.reserved_gib * 2**30, overlap_slowdown=p.overlap_slowdown, progress=log,
+                       unit_times=jc.unit_times, optimizer_s_per_elem=jc.optimizer_s_per_elem or None,
                        overlap_spread=bool(cfg.amsp.overlap_spread), spread_window=int(cfg.amsp.spread_window),
                        sequence_parallel=bool(cfg.parallel.sequence_parallel))
     kernels = default_kernels(to_llama_config(cfg.model))  # what plan_joint assumes without a device
     if args.json:
         print(json.dumps({"choice": plans[0].to_json(), "alternatives": [x.to_json() for x in plans[1:]],
                           "inputs": {"cluster": cluster.describe(), "model": cfg.model.name, "seq_len": seq,
-                                     "global_batch": global_batch, "efficiency": eff,
+                                     "global_batch": global_batch, "efficiency": eff, "compute": jc.sources,
                                      "precision": precision_name(cfg, cluster.groups[0].spec),
                                      "kernels": kernels_json(kernels)}}))
     else:
         print(f"model {cfg.model.name}, seq_len {seq}, global batch {global_batch} samples; compute at "
-              + ", ".join(f"{k} {v:.0%}" for k, v in eff.items()) + f" of peak; {kernels.describe()} (assumed)")
+              + ", ".join(f"{k} {v:.0%}" for k, v in eff.items()) + f" of peak ({'; '.join(jc.sources)}); "
+              f"{kernels.describe()} (assumed)")
         print(format_joint(plans, cluster))
     return 0
 

@@ -60,15 +60,20 @@ def device_name(device) -> str:
 
 
 def cache_key(model_cfg, seq_len: int, micro_batch: int, dtype: str, recompute: str, device, world: int,
-              backend: str | None, cores_shared: bool = False, layout: list | None = None) -> str:
-    """layout: a mixed cluster's (node group, device name) of every rank; None keeps a uniform run's key."""
+              backend: str | None, cores_shared: bool = False, layout: list | None = None,
+              compiled: bool = False, ranks_per_node: int | None = None) -> str:
+    """layout: a mixed cluster's (node group, device name) of every rank; None keeps a uniform run's key.
+    Everything that changes what is timed is in it: the kernels the block runs (fused ops, norm backend,
+    compiled or not), and where the ranks sit (the overlap slowdown's all_reduce crosses nodes or not)."""
     import torch
 
     shape = {"device": device_name(device), "dim": model_cfg.dim, "ffn": model_cfg.ffn_hidden_dim,
              "heads": model_cfg.n_heads, "kv_heads": model_cfg.n_kv_heads, "vocab": model_cfg.vocab_size,
              "tie": model_cfg.tie_embeddings, "attention": str(model_cfg.attention), "seq": seq_len,
              "mbs": micro_batch, "dtype": dtype, "recompute": recompute, "torch": torch.__version__,
-             "world": world, "backend": backend, "cores_shared": cores_shared, "optimizer": 1}
+             "world": world, "backend": backend, "cores_shared": cores_shared, "optimizer": 1,
+             "fused": str(model_cfg.fused), "norm": str(model_cfg.norm), "compiled": compiled,
+             "ranks_per_node": ranks_per_node}
     if layout is not None:
         shape["layout"] = [list(x) for x in layout]
     return hashlib.sha1(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
@@ -129,14 +134,20 @@ def _one_block_model(model_cfg, device, dtype):
     return build_model(replace(model_cfg, n_layers=1, activation_checkpointing="none"), device, dtype)
 
 
-def time_compute(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, device, repeats: int = 3):
+def time_compute(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, device, repeats: int = 3,
+                 compiled: bool = False):
     """({field: seconds} for one micro-batch on this process's device, the parts the overlap
-    measurement reuses)."""
+    measurement reuses). compiled: the run compiles its blocks (model.compile; amsp/compile.py), so the
+    block timed is compiled the same way: an inductor block runs at another speed than the eager one."""
     import torch
 
     device = torch.device(device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     model = _one_block_model(model_cfg, device, dtype)
+    if compiled:
+        from amsp.compile import apply_compile
+
+        apply_compile(model, "on", device)
     block, head, emb = model.layers[0], model.head, model.tok_embeddings
     tied = emb.weight if model_cfg.tie_embeddings else None
     cos, sin = model.rope_cos[:seq_len], model.rope_sin[:seq_len]
@@ -145,11 +156,22 @@ def time_compute(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, dev
     x = (torch.randn(micro_batch, seq_len, model_cfg.dim, generator=g) * 0.5).to(device, dtype).requires_grad_()
     grad = torch.ones_like(x)
 
-    with torch.no_grad():
+    if compiled:
+        # Compile outside the timing (median_time sizes its samples from its warm-up call, which would
+        # then be the compilation), and time the forward with autograd on, as training runs it: under
+        # no_grad dynamo would compile a second, inference graph. A compiled backward donates its
+        # buffers, so it cannot run twice on one graph (retain_graph): forward + backward is timed
+        # whole and the forward taken off.
+        block(x, cos, sin).backward(grad)
+        _sync(device)
         fwd = median_time(lambda: block(x, cos, sin), device, repeats)
-    out = block(x, cos, sin)  # one graph, its backward timed repeatedly (retain_graph)
-    bwd = median_time(lambda: out.backward(grad, retain_graph=True), device, repeats)
-    del out
+        bwd = max(0.0, median_time(lambda: block(x, cos, sin).backward(grad), device, repeats) - fwd)
+    else:
+        with torch.no_grad():
+            fwd = median_time(lambda: block(x, cos, sin), device, repeats)
+        out = block(x, cos, sin)  # one graph, its backward timed repeatedly (retain_graph)
+        bwd = median_time(lambda: out.backward(grad, retain_graph=True), device, repeats)
+        del out
     head_s = median_time(lambda: head(x, tied, tokens).backward(), device, repeats)
     emb_s = median_time(lambda: emb(tokens).backward(grad), device, repeats)
     return {"block_forward_s": fwd, "block_backward_s": bwd,
@@ -234,16 +256,18 @@ def measure_overlap_slowdown(parts, device, comm_bytes: int, repeats: int = 3) -
 
 def measure_profile(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, recompute: str, device,
                     world: int, rank: int, cache_dir: pathlib.Path | None = None, use_cache: bool = True,
-                    overlap_fallback: float | None = None, cores_shared: bool = False) -> ComputeProfile:
+                    overlap_fallback: float | None = None, cores_shared: bool = False, compiled: bool = False,
+                    ranks_per_node: int | None = None) -> ComputeProfile:
     """The run's ComputeProfile: cached, else measured on every rank at once (the ranks of a machine
     share it, as in training) with the median over ranks kept. Collective when world > 1.
 
     cores_shared: this machine's ranks oversubscribe its CPU cores (from_config.cpu_shared_cores). No
     core is then idle to run the communication, so its CPU time is taken from compute one for one: the
     overlap slowdown is 1 by construction (measured there it read anything from 0.2 to 1.0 from one run
-    to the next, the difference of two noisy timings), and it is not measured."""
+    to the next, the difference of two noisy timings), and it is not measured.
+    compiled: time a compiled block (the run's model.compile resolved). ranks_per_node: part of the key."""
     return _measure(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, world, rank, cache_dir,
-                    use_cache, overlap_fallback, cores_shared, None)[ALL_RANKS]
+                    use_cache, overlap_fallback, cores_shared, None, compiled, ranks_per_node)[ALL_RANKS]
 
 
 def measure_group_profiles(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, recompute: str, device,
@@ -269,7 +293,8 @@ def medians_by_group(rows: list[list[float]], rank_groups: list[str]) -> dict[st
 
 
 def _measure(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, world, rank, cache_dir, use_cache,
-             overlap_fallback, cores_shared, rank_groups: list[str] | None) -> dict[str, ComputeProfile]:
+             overlap_fallback, cores_shared, rank_groups: list[str] | None, compiled: bool = False,
+             ranks_per_node: int | None = None) -> dict[str, ComputeProfile]:
     import torch
     import torch.distributed as dist
 
@@ -287,7 +312,7 @@ def _measure(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, wor
                              f"{'' if distributed else ' without a process group'}")
         layout = rank_layout(rank_groups, device)
     key = cache_key(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, world, backend, cores_shared,
-                    layout)
+                    layout, compiled, ranks_per_node)
     path = (cache_dir or default_cache_dir()) / f"compute-{key}.json"
     field = "profile" if layout is None else "profiles"
     cached = read_shared(path, field, use_cache, rank, distributed, "compute profile")
@@ -300,12 +325,13 @@ def _measure(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, wor
         return profiles
 
     if rank == 0:
-        log.info("compute profile: timing one block (dim %d, micro-batch %d x %d, %s) forward/backward, the head "
-                 "and the embedding on %s%s%s", model_cfg.dim, micro_batch, seq_len, dtype_name, device_name(device),
+        log.info("compute profile: timing one %sblock (dim %d, micro-batch %d x %d, %s) forward/backward, the head "
+                 "and the embedding on %s%s%s", "compiled " if compiled else "", model_cfg.dim, micro_batch, seq_len,
+                 dtype_name, device_name(device),
                  ", then with a concurrent all_reduce" if distributed else "",
                  "; each node group keeps its own ranks' median" if layout is not None else "")
     t0 = time.perf_counter()
-    times, parts = time_compute(model_cfg, seq_len, micro_batch, dtype_name, device)
+    times, parts = time_compute(model_cfg, seq_len, micro_batch, dtype_name, device, compiled=compiled)
     times["optimizer_s_per_elem"] = time_optimizer(device)  # every rank at once, as the engine's step runs
     fields = list(times)
     if distributed:
@@ -331,7 +357,7 @@ def _measure(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, wor
         slow = [r[-1] for r, rg in zip(rows, groups) if rg == g and r[-1] is not None]
         profiles[g] = ComputeProfile(**dict(zip(fields, med)),
                                      overlap_slowdown=min(1.0, statistics.median(slow)) if slow else None,
-                                     source=f"measured on {where[g]}")
+                                     source=f"measured on {where[g]}{', compiled' if compiled else ''}")
     if rank == 0:
         for g, prof in profiles.items():
             log.info("compute profile%s (%.2f s to measure): %s", _of(g), time.perf_counter() - t0, describe(prof))
@@ -360,23 +386,57 @@ def describe(p: ComputeProfile) -> str:
             f"slowdown {slow} ({p.source})")
 
 
-def load_profile(path: str) -> ComputeProfile:
-    """A ComputeProfile from a JSON file ({field: value}, the cache's "profile" or a bare object)."""
+def _read_json_object(path: str) -> dict:
     from amsp.errors import InputError
 
     try:
         data = json.loads(pathlib.Path(path).read_text())
     except (OSError, ValueError) as e:
         raise InputError(f"--compute-profile {path}: cannot read JSON ({e})") from e
-    data = data.get("profile", data)
+    if not isinstance(data, dict):
+        raise InputError(f"--compute-profile {path}: expected a JSON object of {', '.join(FIELDS)}, got "
+                         f"{type(data).__name__}")
+    return data
+
+
+def _profile_from(data, path: str, what: str = "") -> ComputeProfile:
+    from amsp.errors import InputError
+
+    where = f"--compute-profile {path}{what}"
+    if not isinstance(data, dict):
+        raise InputError(f"{where}: not a JSON object")
     missing = [f for f in FIELDS if f not in data]
     if missing:
-        raise InputError(f"--compute-profile {path}: missing {', '.join(missing)} (need {', '.join(FIELDS)})")
+        raise InputError(f"{where}: missing {', '.join(missing)} (need {', '.join(FIELDS)})")
     try:
-        return ComputeProfile(**{f: float(data[f]) for f in FIELDS},
+        prof = ComputeProfile(**{f: float(data[f]) for f in FIELDS},
                               overlap_slowdown=None if data.get("overlap_slowdown") is None
-                              else float(data["overlap_slowdown"]), source=f"file:{path}",
+                              else float(data["overlap_slowdown"]), source=f"file:{path}{what}",
                               optimizer_s_per_elem=None if data.get("optimizer_s_per_elem") is None
                               else float(data["optimizer_s_per_elem"]))
     except (TypeError, ValueError) as e:
-        raise InputError(f"--compute-profile {path}: {e}") from e
+        raise InputError(f"{where}: {e}") from e
+    bad = [f for f in FIELDS if not (0 <= getattr(prof, f) < math.inf)]
+    if bad:
+        raise InputError(f"{where}: {', '.join(bad)} must be finite seconds >= 0")
+    return prof
+
+
+def load_profile(path: str) -> ComputeProfile:
+    """A ComputeProfile from a JSON file ({field: value}, the cache's "profile" or a bare object)."""
+    data = _read_json_object(path)
+    return _profile_from(data.get("profile", data), path)
+
+
+def load_profiles(path: str) -> dict:
+    """{node group: ComputeProfile} from a mixed cluster's cache file ({"profiles": {group: {...}}}), or
+    {None: profile} (every group) from a single profile (load_profile's forms)."""
+    data = _read_json_object(path)
+    if "profiles" not in data:
+        return {None: _profile_from(data.get("profile", data), path)}
+    groups = data["profiles"]
+    if not isinstance(groups, dict) or not groups:
+        from amsp.errors import InputError
+
+        raise InputError(f"--compute-profile {path}: \"profiles\" must map node groups to profiles")
+    return {g: _profile_from(v, path, f" (group {g})") for g, v in groups.items()}

@@ -4,8 +4,9 @@ train.py's default cluster is `cpu` (gloo ranks, figures measured at startup). O
 preset's 2 GB/s alpha-beta figures would price a single H100 as communication-bound, so a run on a
 GPU with cluster=cpu plans with the preset of its device instead (configs/cluster/*.yaml), the
 startup probe then replacing what it measures. Recognition is by substring of
-torch.cuda.get_device_name(), most specific first (an "H100 PCIe" is not an SXM H100 but shares its
-interconnect figures here; its peak comes from the datasheet table in amsp.metrics.peak).
+torch.cuda.get_device_name(), most specific first. A part that shares a preset's interconnect but
+not its chip figures (H100 PCIe / NVL, H800 PCIe) keeps the preset's links with its own datasheet
+peak and memory bandwidth (DEVICE_VARIANTS).
 """
 from __future__ import annotations
 
@@ -25,6 +26,16 @@ DEVICE_PRESETS = (
     ("H100", "h100x8"),
     ("A800", "a800x8"),
     ("A100", "a100x8"),
+    ("V100", "v100x8"),
+)
+# Datasheet figures of parts whose preset describes another form factor: dense bf16 TFLOP/s (as
+# amsp.metrics.peak's table) and HBM GB/s. Longest names first when they overlap.
+DEVICE_VARIANTS = (
+    ("H800 PCIe", {"peak_tflops": 756.0, "memory_bandwidth_gbs": 2000.0}),
+    ("H100 PCIe", {"peak_tflops": 756.0, "memory_bandwidth_gbs": 2000.0}),
+    ("H100 NVL", {"peak_tflops": 835.0, "memory_bandwidth_gbs": 3900.0}),
+    ("A100-PCIE-40GB", {"memory_bandwidth_gbs": 1555.0}),
+    ("A100 PCIe", {"memory_bandwidth_gbs": 1935.0}),
 )
 
 
@@ -56,11 +67,24 @@ def recognise(cluster_cfg: DictConfig, device_name: str | None, device_memory_gi
     preset = preset_for_device(device_name)
     if preset is None:
         log.warning("planner: no cluster preset for %s and none named; planning with the cpu preset's figures "
-                    "(name one: cluster=h100x8|h200x8|a100x8|a800x8, or give its figures)", device_name)
+                    "(name one: cluster=%s, or give its figures)", device_name,
+                    "|".join(sorted({p for _, p in DEVICE_PRESETS})))
         return cluster_cfg
     c = load_preset(preset)
     if device_memory_gib:
         c.device_memory_gib = float(device_memory_gib)
-    log.info("planner: no cluster named on %s; using the %s preset (%.0f GiB/device)%s", device_name, preset,
-             c.device_memory_gib, ", bandwidths replaced where the startup probe measures them")
+    variant = variant_of(device_name)
+    for key, value in variant.items():
+        setattr(c, key, value)
+    log.info("planner: no cluster named on %s; using the %s preset (%.0f GiB/device%s)%s", device_name, preset,
+             c.device_memory_gib, "".join(f", {k} {v:g}" for k, v in variant.items()),
+             ", bandwidths replaced where the startup probe measures them")
     return c
+
+
+def variant_of(device_name: str) -> dict:
+    """The datasheet figures (DEVICE_VARIANTS) that differ from the recognised preset's, or {}."""
+    for key, figures in DEVICE_VARIANTS:
+        if key.lower() in device_name.lower():
+            return dict(figures)
+    return {}

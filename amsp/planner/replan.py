@@ -6,15 +6,17 @@ amsp/replan_switch.py runs them on rank 0 during training and swaps the engine.
 
 The refit corrects the model's inputs, not its outputs, so the re-solve prices every candidate plan
 with the corrected constants, not only the one that ran:
-  * compute_scale = measured compute / predicted compute. Measured compute is the median step time
+  * compute_scale makes measured compute = predicted compute. Measured compute is the median step time
     minus the median exposed communication (the waits amsp.collectives books); predicted compute is
     compute_s plus the optimizer step and the overlap slowdown (the terms that are not waits). It
-    multiplies the compute profile's seconds, or divides the peak FLOP/s when compute came from FLOPs.
+    multiplies the compute profile's seconds (the AdamW rate's too), or divides the peak FLOP/s when
+    compute came from FLOPs, and divides the memory bandwidth either way (refitted_inputs).
   * comm_scale multiplies every latency and divides every bandwidth of the cluster. Exposed time is
     not linear in it (a collective hides until it outgrows its compute window), so it is found by
     bisection: the scale at which the plan's predicted exposed communication, with compute already
     refitted, equals the measured one. When neither side exposes more than 1% of the step the traffic
-    was hidden and says nothing about the links: the scale stays 1.
+    was hidden and says nothing about the links: the scale stays 1. The overlap slowdown depends on
+    both, so the two are fitted in turn (refit).
 Memory is compared and reported, not refitted: the plan chosen must still fit by the model's own
 terms (amsp/planner/cost_model.py), and a measured peak above the prediction is logged as an error.
 """
@@ -74,53 +76,74 @@ def predicted_compute_s(cost: PlanCost) -> float:
     return cost.compute_s + sum(cost.exposed_s.get(phase, 0.0) for phase in NOT_WAITS)
 
 
-def scaled_cluster(cluster: ClusterSpec, comm_scale: float, compute_scale: float = 1.0) -> ClusterSpec:
-    """The cluster with collectives comm_scale times slower (latency up, bandwidth down) and the peak
-    FLOP/s compute_scale times lower."""
+def scaled_cluster(cluster: ClusterSpec, comm_scale: float, compute_scale: float = 1.0,
+                   flops: bool = True) -> ClusterSpec:
+    """The cluster with collectives comm_scale times slower (latency up, bandwidth down) and its compute
+    compute_scale times slower: the memory bandwidth (it prices the AdamW step and selective
+    recomputation's re-runs) and, when flops, the peak FLOP/s (it prices the matmuls when no profile was
+    measured)."""
     if comm_scale <= 0 or compute_scale <= 0:
         raise ValueError(f"scales must be positive, got comm {comm_scale}, compute {compute_scale}")
     curves = {k: BandwidthCurve(tuple((size, bw / comm_scale) for size, bw in c.points))
               for k, c in cluster.curves.items()}
     fallback = {k: AlphaBeta(ab.latency_s * comm_scale, ab.gbps / comm_scale) for k, ab in cluster.fallback.items()}
-    return replace(cluster, curves=curves, fallback=fallback, peak_flops=cluster.peak_flops / compute_scale,
+    return replace(cluster, curves=curves, fallback=fallback,
+                   peak_flops=cluster.peak_flops / compute_scale if flops else cluster.peak_flops,
+                   memory_bandwidth_gbs=cluster.memory_bandwidth_gbs / compute_scale,
                    source=f"{cluster.source}, refitted")
 
 
 def refitted_inputs(cluster: ClusterSpec, options: Options, refit: Refit) -> tuple[ClusterSpec, Options]:
-    """Cost-model inputs with the refit applied: compute through the measured profile when there is
-    one (its seconds scale), else through the peak FLOP/s; communication through the cluster."""
+    """Cost-model inputs with the refit applied. compute_scale slows every compute term alike: the
+    measured profile's seconds (the AdamW rate included) when there is one, else the peak FLOP/s, and in
+    both cases the memory bandwidth; communication through the cluster."""
+    s = refit.compute_scale
     if options.compute is not None:
         p = options.compute
-        s = refit.compute_scale
+        opt = None if p.optimizer_s_per_elem is None else p.optimizer_s_per_elem * s
         profile = replace(p, block_forward_s=p.block_forward_s * s, block_backward_s=p.block_backward_s * s,
                           head_forward_backward_s=p.head_forward_backward_s * s, embedding_s=p.embedding_s * s,
-                          source=f"{p.source}, x{s:.3g} from the recheck")
-        return scaled_cluster(cluster, refit.comm_scale), replace(options, compute=profile)
-    return scaled_cluster(cluster, refit.comm_scale, refit.compute_scale), options
+                          optimizer_s_per_elem=opt, source=f"{p.source}, x{s:.3g} from the recheck")
+        return scaled_cluster(cluster, refit.comm_scale, s, flops=False), replace(options, compute=profile)
+    return scaled_cluster(cluster, refit.comm_scale, s), options
+
+
+def _bisect_log(f, target: float) -> float:
+    """The scale in _SCALE_RANGE at which the increasing function f reaches target (clamped to the range)."""
+    lo, hi = _SCALE_RANGE
+    if f(lo) >= target:
+        return lo
+    if f(hi) <= target:
+        return hi
+    for _ in range(40):  # bisection in log space
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+    return math.sqrt(lo * hi)
 
 
 def refit(workload: Workload, cluster: ClusterSpec, options: Options, plan, measured: Measured) -> Refit:
-    """The two scales that make the running plan's prediction match what was measured."""
+    """The two scales that make the running plan's prediction match what was measured: its compute
+    terms (compute, optimizer, contention) the measured step less its waits, its exposed communication
+    the measured waits. The contention term (hidden communication slowing compute) couples the two, so
+    they are fitted in turn until both hold."""
     prior = CostModel(workload, cluster, options).evaluate(plan)
-    compute_scale = max(1e-9, measured.step_s - measured.exposed_comm_s) / max(1e-12, predicted_compute_s(prior))
+    target_compute = max(1e-9, measured.step_s - measured.exposed_comm_s)
+    target_comm = measured.exposed_comm_s
 
-    def exposed(comm_scale: float) -> float:
+    def priced(compute_scale: float, comm_scale: float):
         c, o = refitted_inputs(cluster, options, Refit(compute_scale, comm_scale))
-        return comm_exposed_s(CostModel(workload, c, o).evaluate(plan))
+        return CostModel(workload, c, o).evaluate(plan)
 
-    target = measured.exposed_comm_s
-    lo, hi = _SCALE_RANGE
+    compute_scale = target_compute / max(1e-12, predicted_compute_s(prior))
+    comm_scale = 1.0
     floor = NOISE_FLOOR * measured.step_s
-    if exposed(1.0) <= floor and target <= floor:
-        return Refit(compute_scale, 1.0)  # (nearly) everything hidden on both sides: no information on the links
-    if exposed(lo) >= target:
-        return Refit(compute_scale, lo)
-    if exposed(hi) <= target:
-        return Refit(compute_scale, hi)
-    for _ in range(40):  # bisection in log space: exposure grows monotonically with the scale
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if exposed(mid) < target else (lo, mid)
-    return Refit(compute_scale, math.sqrt(lo * hi))
+    for _ in range(4):  # each round moves the other scale less; two or three settle it
+        compute_scale = _bisect_log(lambda s: predicted_compute_s(priced(s, comm_scale)), target_compute)
+        if comm_exposed_s(priced(compute_scale, 1.0)) <= floor and target_comm <= floor:
+            comm_scale = 1.0  # (nearly) everything hidden on both sides: no information on the links
+        else:
+            comm_scale = _bisect_log(lambda c: comm_exposed_s(priced(compute_scale, c)), target_comm)
+    return Refit(compute_scale, comm_scale)
 
 
 def decide(current: PlanCost, best: PlanCost, user_named: bool, min_gain: float = MIN_GAIN) -> Decision:

@@ -25,6 +25,7 @@ class PlannerResult:
     presets: list  # PlanCost of the named presets valid on this cluster (fitting or not)
     solve_s: float
     candidates: int
+    terms: GroupTerms | None = None  # every candidate triple's terms per unit group (to_json)
 
     def table(self) -> str:
         c = self.chosen
@@ -45,10 +46,12 @@ class PlannerResult:
         return wandb_rows(self.ranked + self.presets)
 
     def to_json(self) -> dict:
-        """The choice, every ranked candidate's and named preset's terms (report.plan_cost_json)."""
+        """The choice, the ranked plans' and named presets' costs (report.plan_cost_json), and every
+        candidate triple's terms per unit group (GroupTerms.to_json)."""
         return {"chosen": plan_cost_json(self.chosen), "ranked": [plan_cost_json(c) for c in self.ranked],
                 "presets": [plan_cost_json(c) for c in self.presets], "solve_s": self.solve_s,
-                "candidates_per_group": self.candidates}
+                "candidates_per_group": self.candidates,
+                "candidates": None if self.terms is None else self.terms.to_json()}
 
 
 def price_plan(workload: Workload, cluster: ClusterSpec, options: Options, plan: Plan) -> PlanCost:
@@ -104,4 +107,4 @@ def plan_cluster(workload: Workload, cluster: ClusterSpec, options: Options = Op
                     if (c.plan.blocks, c.plan.embed_head) != (choice.plan.blocks, choice.plan.embed_head)]
     ranked = [chosen] + [_with_ranks(model.evaluate(p), workload) for p in alternatives]
     return PlannerResult(choice.plan, chosen, ranked[:top_k], preset_costs(model) if with_presets else [],
-                         solve_s, len(terms.candidates))
+                         solve_s, len(terms.candidates), terms)

@@ -22,7 +22,7 @@ from amsp.plan import Plan
 from amsp.topology import Topology
 
 from .from_config import (cluster_spec, cpu_shared_cores, machine_ranks, options_from_config, planner_config,
-                          workload_from_config)
+                          with_model_parallel, workload_from_config)
 from .compute_profile import ComputeProfile, measure_profile
 from .cost_model import overlap_slowdown_of
 from .probe import apply_points, probe_points, probe_sizes
@@ -56,14 +56,13 @@ def plan_for_run(cfg: DictConfig, denv, device: torch.device | str = "cpu",
                  run_dir: pathlib.Path | None = None) -> PlanOutcome:
     """Choose the plan for this run. Collective when the world has several ranks."""
     device = torch.device(device)
-    p = planner_config(cfg)
     tp, pp = (int(OmegaConf.select(cfg, f"parallel.{k}", default=1)) for k in ("tp", "pp"))
-    if (p.tp, p.pp) != (tp, pp) and (p.tp, p.pp) != (1, 1):
-        raise ValueError(f"amsp.planner.tp/pp={p.tp}/{p.pp} contradict parallel.tp/pp={tp}/{pp}; a training run "
-                         f"plans under parallel.tp / parallel.pp (amsp.planner.tp/pp are for planner what-ifs)")
-    if (tp, pp) != (1, 1):  # the AMSP plan is for each rank's DP group under these model-parallel degrees
-        cfg = OmegaConf.merge(cfg, {"amsp": {"planner": {"tp": tp, "pp": pp}}})
-        p = planner_config(cfg)
+    if (planner_config(cfg).tp, planner_config(cfg).pp) not in ((1, 1), (tp, pp)):
+        raise ValueError(f"amsp.planner.tp/pp={planner_config(cfg).tp}/{planner_config(cfg).pp} contradict "
+                         f"parallel.tp/pp={tp}/{pp}; a training run plans under parallel.tp / parallel.pp "
+                         f"(amsp.planner.tp/pp are for planner what-ifs)")
+    cfg = with_model_parallel(cfg)  # the AMSP plan is for each rank's DP group under these degrees
+    p = planner_config(cfg)
     r = ranks_per_node(cfg, denv.local_world_size)
     topo = Topology(denv.world_size, r)
     points = probe_for_run(cfg, denv, device)
@@ -119,27 +118,62 @@ def cores_shared(device: torch.device, denv) -> bool:
     return device.type == "cpu" and cpu_shared_cores(machine_ranks(denv.local_world_size)) is not None
 
 
-def measured_compute(cfg: DictConfig, denv, device: torch.device) -> ComputeProfile:
-    """The run's compute profile (compute_profile.py), measured on every rank or read from the cache.
-    Collective when the world has several ranks."""
+def blocks_compiled(cfg: DictConfig, device) -> bool:
+    """Whether this run's engine compiles its blocks: model.compile resolved on the device, and only
+    without model parallelism (amsp/build.py leaves TP / PP blocks eager)."""
+    from amsp.compile import resolve_compile
+
+    tp, pp = (int(OmegaConf.select(cfg, f"parallel.{k}", default=1)) for k in ("tp", "pp"))
+    return resolve_compile(cfg.model.compile, torch.device(device)) and tp == pp == 1
+
+
+def measured_compute(cfg: DictConfig, denv, device: torch.device, compiled: bool | None = None) -> ComputeProfile:
+    """The run's compute profile (compute_profile.py), measured on every rank or read from the cache:
+    the block the run executes (its fused kernels, compiled when the run compiles its blocks) and, under
+    tensor parallelism, the TP-local units on real TP groups (tp_local_profile). compiled: time a compiled
+    block or not (None: as this run's engine runs its blocks). Collective when the world has several ranks."""
     from configs.schema import to_llama_config
 
     p = planner_config(cfg)
     model = to_llama_config(cfg.model)
     cache = pathlib.Path(p.cache_dir) if p.cache_dir else None  # next to the probe's files
-    return measure_profile(model, cfg.data.seq_len, cfg.trainer.micro_batch_size, timing_dtype(cfg, device),
-                           model.activation_checkpointing, device, denv.world_size, denv.rank, cache,
-                           p.probe_cache, p.overlap_slowdown, cores_shared=cores_shared(device, denv))
+    profile = measure_profile(model, cfg.data.seq_len, cfg.trainer.micro_batch_size, timing_dtype(cfg, device),
+                              model.activation_checkpointing, device, denv.world_size, denv.rank, cache,
+                              p.probe_cache, p.overlap_slowdown, cores_shared=cores_shared(device, denv),
+                              compiled=blocks_compiled(cfg, device) if compiled is None else compiled,
+                              ranks_per_node=ranks_per_node(cfg, denv.local_world_size))
+    tp = int(OmegaConf.select(cfg, "parallel.tp", default=1))
+    return tp_local_profile(profile, cfg, model, denv, device, tp) if tp > 1 else profile
+
+
+def tp_local_profile(profile: ComputeProfile, cfg: DictConfig, model, denv, device, tp: int) -> ComputeProfile:
+    """The profile of a tensor-parallel rank: its block, head and embedding are the TP-local units, timed
+    on real TP groups with their collectives (amsp/parallel/tp_profile.py, the joint planner's
+    measurement and cache), not the whole block the profile timed (tp times the work, no TP traffic).
+    The TP measurement is forward + backward in one; it is split as the whole block splits. Collective."""
+    from dataclasses import replace
+
+    from amsp.parallel.joint_startup import measured_tp_units
+
+    units = measured_tp_units(cfg, model, denv, device)
+    if (None, tp) not in units:
+        raise ValueError(f"parallel.tp={tp}: no tensor-parallel profile for it (measured tp: "
+                         f"{sorted(t for _, t in units)}); tp must divide the ranks per node and the heads")
+    block_s, head_s, emb_s = units[(None, tp)]
+    whole = profile.block_forward_s + profile.block_backward_s
+    share = profile.block_forward_s / whole if whole > 0 else 1 / 3
+    return replace(profile, block_forward_s=block_s * share, block_backward_s=block_s * (1 - share),
+                   head_forward_backward_s=head_s, embedding_s=emb_s,
+                   source=f"{profile.source}; TP-local units at tp {tp} measured on TP groups")
 
 
 def kernels_for_run(cfg: DictConfig, device) -> Kernels:
     """The kernels this run's model executes on `device` (kernels_for_model)."""
-    from amsp.compile import resolve_compile
     from configs.schema import to_llama_config
 
     device = torch.device(device)
     return kernels_for_model(to_llama_config(cfg.model), device, timing_dtype(cfg, device),
-                             compiled=resolve_compile(cfg.model.compile, device))
+                             compiled=blocks_compiled(cfg, device))
 
 
 def kernels_for_model(model, device, dtype_name: str, compiled: bool = False) -> Kernels:

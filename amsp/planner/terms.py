@@ -70,3 +70,20 @@ class GroupTerms:
                    model.spread_window, model.o.overlap_spread, role_group, model.buffer_pairs(),
                    model.constant_time_s(), sum(model.constant_memory().values()), model.memory_budget(),
                    np.inf if model.o.state_budget_bytes is None else float(model.o.state_budget_bytes))
+
+    def to_json(self) -> dict:
+        """Every candidate triple of each unit group with its terms (what the ILP combines: a plan's
+        step is constant_s plus its two groups' exposed seconds; its memory is their state bytes plus
+        the largest transients and constant_bytes), for the CLI's --json."""
+        out: dict = {"constant_s": self.constant_s, "constant_bytes": self.constant_bytes,
+                     "budget_bytes": self.budget_bytes}
+        for gi, group in enumerate(UNIT_GROUPS):
+            roles = sorted(r for r, g in self.role_group.items() if g == gi)
+            out[group] = [{"p": d.p, "g": d.g, "os": d.os, "exposed_s": float(self.exposed_s[gi, ci]),
+                           "state_bytes": float(self.state_bytes[gi, ci]), "sync_bytes": float(self.sync_bytes[gi, ci]),
+                           **{f"{kind}_bytes": {r: float(table[r][ci]) for r in roles if r in table}
+                              for kind, table in (("gathered", self.gathered), ("spread", self.spread),
+                                                  ("bucket", self.buckets), ("fill", self.fills))}}
+                          for ci, d in enumerate(self.candidates)]
+        return out
+

@@ -137,3 +137,60 @@ def test_measured_optimizer_rate_prices_the_step():
     preset = CostModel(w, cluster, Options(compute=dataclasses.replace(prof, optimizer_s_per_elem=None)))
     assert preset.evaluate(Plan(Degrees(1, 1, 1), Degrees(1, 1, 1))).exposed_s["optimizer"] != pytest.approx(
         model.evaluate(Plan(Degrees(1, 1, 1), Degrees(1, 1, 1))).exposed_s["optimizer"])
+
+
+def test_cache_key_names_what_changes_the_timing():
+    """The kernels the block runs and where the ranks sit are in the key: a fused-off or compiled run must
+    not read a profile timed with other kernels, nor a 2 x 4 layout one timed on one node of 8."""
+    from amsp.planner.compute_profile import cache_key
+    from models.llama import get_preset
+
+    m = get_preset("debug")
+    args = (256, 1, "fp32", "none", "cpu", 8, "gloo")
+    base = cache_key(m, *args)
+    assert base == cache_key(m, *args)
+    assert base != cache_key(m.with_overrides(fused="off"), *args)
+    assert base != cache_key(m.with_overrides(norm="torch"), *args)
+    assert base != cache_key(m, *args, compiled=True)
+    assert cache_key(m, *args, ranks_per_node=8) != cache_key(m, *args, ranks_per_node=4)
+
+
+def test_compiled_profile_times_the_compiled_block_without_recompiling():
+    """model.compile on: the block timed is compiled once, before the timing; the timed forward runs with
+    autograd on, as training does, so dynamo compiles no second (no_grad) graph inside the samples."""
+    import torch._dynamo
+
+    from amsp.planner.compute_profile import time_compute
+    from models.llama import get_preset
+
+    # large enough that a backward (twice a forward's work) stands above timing noise: it is measured as
+    # (forward + backward) - forward, a compiled backward being one-shot
+    m = get_preset("debug").with_overrides(dim=256, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=512, fused="off")
+    torch._dynamo.reset()
+    times, parts = time_compute(m, 256, 2, "fp32", "cpu", repeats=3, compiled=True)
+    block = parts[0]
+    assert hasattr(block.forward, "_torchdynamo_orig_callable") or "compile" in repr(block.forward)
+    for f in ("block_forward_s", "block_backward_s", "head_forward_backward_s", "embedding_s"):
+        assert 0 < times[f] < 5, (f, times)
+    stats = torch._dynamo.utils.counters["stats"]
+    compiled_once = stats["unique_graphs"]
+    time_compute(m, 256, 2, "fp32", "cpu", repeats=1, compiled=False)  # eager: nothing more to compile
+    assert stats["unique_graphs"] == compiled_once >= 1
+
+
+def test_tp_rank_profile_is_its_tp_local_units(monkeypatch):
+    """parallel.tp > 1: the block, head and embedding a rank runs are the TP-local units timed on TP groups,
+    split forward / backward as the whole block splits (a whole block priced tp times the work)."""
+    from amsp.parallel import joint_startup
+    from amsp.planner.__main__ import compose_config
+    from amsp.planner.startup import tp_local_profile
+
+    whole = ComputeProfile(0.01, 0.02, 0.005, 0.001, 0.3, "measured on x", optimizer_s_per_elem=1e-9)
+    cfg = compose_config(TINY + ["parallel.tp=2"])
+    monkeypatch.setattr(joint_startup, "measured_tp_units", lambda *a, **k: {(None, 2): (0.012, 0.004, 0.002)})
+    got = tp_local_profile(whole, cfg, _model(cfg), None, "cpu", 2)
+    assert got.block_forward_s == pytest.approx(0.004) and got.block_backward_s == pytest.approx(0.008)
+    assert (got.head_forward_backward_s, got.embedding_s) == (0.004, 0.002)
+    assert got.optimizer_s_per_elem == 1e-9 and got.overlap_slowdown == 0.3 and "TP-local units at tp 2" in got.source
+    with pytest.raises(ValueError, match="no tensor-parallel profile"):
+        tp_local_profile(whole, cfg, _model(cfg), None, "cpu", 4)

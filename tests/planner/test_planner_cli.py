@@ -96,6 +96,15 @@ def test_cli_json_has_the_choice_every_candidate_and_the_inputs(capsys):
     assert out["ranked"][0]["plan"] == chosen["plan"]
     assert all(out["ranked"][i]["step_time_s"] <= out["ranked"][i + 1]["step_time_s"] + 1e-12
                for i in range(1, len(out["ranked"]) - 1))
+    # every candidate of each unit group with its terms, beyond the ranked top_k
+    cands = out["candidates"]
+    assert len(cands["blocks"]) == len(cands["embed_head"]) == out["candidates_per_group"] > len(out["ranked"])
+    b = chosen["degrees"]["blocks"]
+    row = next(c for c in cands["blocks"] if (c["p"], c["g"], c["os"]) == (b["p"], b["g"], b["os"]))
+    assert row["exposed_s"] >= 0 and row["state_bytes"] > 0 and "block" in row["gathered_bytes"]
+    e = chosen["degrees"]["embed_head"]
+    erow = next(c for c in cands["embed_head"] if (c["p"], c["g"], c["os"]) == (e["p"], e["g"], e["os"]))
+    assert chosen["step_time_s"] == pytest.approx(cands["constant_s"] + row["exposed_s"] + erow["exposed_s"])
     inputs = out["inputs"]
     assert inputs["workload"]["seq_len"] == 4096 and inputs["workload"]["model"]["dim"] == 5120
     assert inputs["cluster"]["name"] == "a800x8" and "all_gather|inter" in inputs["cluster"]["curves"]
@@ -119,6 +128,36 @@ def test_cli_plans_without_importing_torch():
             " 'trainer.global_batch_size=64']) == 0\n"
             "assert 'torch' not in sys.modules, 'the planner CLI imported torch'\n")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=300)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["cluster=nosuch"], "Could not find 'cluster/nosuch'"),
+    (["cluster=h100x8", "trainer.micro_batch_size=0"], "trainer.micro_batch_size=0 is not allowed"),
+    (["data.seq_len=abc"], "could not be converted to Integer"),
+    (["amsp.planner.top_k=0"], "amsp.planner.top_k=0 is not allowed"),
+    (["simulate", "--gpus", "8,x"], "--gpus 8,x: expected comma-separated GPU counts"),
+    (["--hetero", "configs/clusters_mixed/mixed_a100_v100.yaml"], "--hetero applies only with --joint"),
+    (["--efficiency", "eff.json", "--hetero", "h.yaml"], "--hetero and --efficiency apply only with --joint"),
+    (["--joint", "--price", "zero3"], "--price: not available with --joint"),
+    (["simulate", "--joint"], "simulate: not available with --joint"),
+])
+def test_cli_input_errors_are_one_line(capsys, args, message):
+    """Bad input ends with one line and exit status 2, as train.py's does, never a traceback or an option
+    silently dropped."""
+    mode = args[:1] if args[0] == "simulate" else []
+    assert main(mode + args[len(mode):] + ["model=debug"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("error: ") and message in err[-1], err
+
+
+def test_cli_prices_under_the_runs_model_parallel_degrees(capsys):
+    """parallel.tp / pp reach the AMSP planner as they do at train.py's startup (its DP group's plan)."""
+    import json
+
+    assert main(["--json", "model=llama2_7b", "cluster=h100x8", "cluster.nodes=2", "parallel.tp=2",
+                 "parallel.pp=2"]) == 0
+    w = json.loads(capsys.readouterr().out)["inputs"]["workload"]
+    assert (w["tp"], w["pp"]) == (2, 2)
 
 
 def test_cli_prices_named_plans(capsys):
@@ -150,3 +189,43 @@ def test_cli_large_top_k_is_fast(capsys):
     assert main(["--json", "amsp.planner.top_k=200"] + ISSUE_ARGS) == 0
     ranked = __import__("json").loads(capsys.readouterr().out)["ranked"]
     assert len(ranked) == 200 and time.perf_counter() - t0 < 60
+
+
+def test_joint_cli_prices_a_given_compute_profile(tmp_path, capsys):
+    """--joint --compute-profile: the tp 1 units of the file, per node group or for every group, as train.py's
+    startup prices what it measures (amsp/planner/joint_inputs.py); a group the cluster lacks is refused."""
+    import json
+
+    fields = {"block_forward_s": 0.002, "block_backward_s": 0.004, "head_forward_backward_s": 0.001,
+              "embedding_s": 1e-4}
+    args = ["--joint", "--json", "model=debug", "cluster=a100x8", "trainer.global_batch_size=64",
+            "trainer.micro_batch_size=2"]
+    assert main(args) == 0
+    flops = json.loads(capsys.readouterr().out)
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps({"profile": fields}))
+    assert main(["--compute-profile", str(one)] + args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["inputs"]["compute"][0].startswith(f"file:{one}") and flops["inputs"]["compute"] == [
+        "amsp.planner.mfu=0.45"]
+    assert out["choice"]["step_s"] != flops["choice"]["step_s"]
+    slower = tmp_path / "slower.json"
+    slower.write_text(json.dumps({"profile": {k: 10 * v for k, v in fields.items()}}))
+    assert main(["--compute-profile", str(slower)] + args) == 0
+    assert json.loads(capsys.readouterr().out)["choice"]["step_s"] > out["choice"]["step_s"]
+    mixed = ["--joint", "--hetero", "configs/clusters_mixed/mixed_a100_v100.yaml", "model=debug",
+             "trainer.global_batch_size=64"]
+    per_group = tmp_path / "groups.json"
+    per_group.write_text(json.dumps({"profiles": {"a100x8": fields, "v100x8": {k: 3 * v for k, v in fields.items()}}}))
+    assert main(["--json", "--compute-profile", str(per_group)] + mixed) == 0
+    sources = json.loads(capsys.readouterr().out)["inputs"]["compute"]
+    assert [s.split(":")[0] for s in sources] == ["a100x8", "v100x8"]
+    per_group.write_text(json.dumps({"profiles": {"h100x8": fields}}))
+    assert main(["--compute-profile", str(per_group)] + mixed) == 2
+    assert "node group 'h100x8' is not in the cluster" in capsys.readouterr().err
+    eff = tmp_path / "eff.json"
+    for bad, message in (({"a100x8": 0}, "must be in (0, 1]"), ({"zzz": 0.5}, "zzz name no node group"),
+                         ([0.5], "not a JSON object")):
+        eff.write_text(json.dumps(bad))
+        assert main(["--efficiency", str(eff)] + mixed) == 2
+        assert message in capsys.readouterr().err

@@ -102,7 +102,7 @@ def test_merge_keeps_the_measured_range_and_joins_the_preset_continuously():
 @pytest.mark.parametrize("device,preset", [
     ("NVIDIA H100 80GB HBM3", "h100x8"), ("NVIDIA H100 PCIe", "h100x8"), ("NVIDIA H200", "h200x8"),
     ("NVIDIA H800", "h100x8"), ("NVIDIA A100-SXM4-40GB", "a100x8"), ("NVIDIA A800-SXM4-80GB", "a800x8"),
-    ("Tesla V100-SXM2-32GB", None)])
+    ("Tesla V100-SXM2-32GB", "v100x8"), ("NVIDIA L40S", None)])
 def test_gpu_device_recognised(device, preset):
     from omegaconf import OmegaConf
 
@@ -118,11 +118,16 @@ def test_gpu_device_recognised(device, preset):
         assert chosen is cpu  # unknown GPU: said so in the log, the cpu figures stay
         return
     spec = cluster_from_config(chosen, nodes=1, ranks_per_node=1)
-    assert spec.name == preset and spec.dtype == "bf16" and spec.source == "preset"
+    # v100x8 gives alpha-beta figures, the others measured curves
+    assert spec.name == preset and spec.dtype == "bf16" and spec.source in ("preset", "alpha-beta")
     assert spec.device_memory_bytes == int(39.5 * 2**30)  # the real device's memory, not the preset's
-    assert spec.curves[("all_gather", "intra")].gbps(2**20) > 50  # not the cpu preset's 2 GB/s
+    assert spec.busbw_gbps("all_gather", "intra", 2**20) > 20  # not the cpu preset's 2 GB/s
     named = load_preset("a100x8")
     assert recognise(named, device) is named  # a cluster the user named is kept
+    # a PCIe H100 shares the SXM preset's links, not its chip: its own datasheet peak and HBM bandwidth
+    pcie = "PCIe" in device
+    assert spec.peak_flops == (756e12 if pcie else load_preset(preset).peak_tflops * 1e12)
+    assert spec.memory_bandwidth_gbs == (2000 if pcie else load_preset(preset).memory_bandwidth_gbs)
 
 
 def test_measured_points_replace_only_their_curves():
