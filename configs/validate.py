@@ -186,6 +186,16 @@ def _cluster_file_problems(path: str) -> list[str]:
     return []
 
 
+# parallel.* the joint planner sets at startup, with their defaults (configs/schema.py ParallelConfig)
+JOINT_CHOOSES = {"tp": 1, "pp": 1, "schedule": "1f1b", "virtual_stages": 1, "layer_split": None,
+                 "recompute_stages": None}
+AMSP_DEGREES = ("p", "g", "os", "embed_head_p", "embed_head_g", "embed_head_os")
+
+
+def _plain(v):
+    return OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+
+
 def _parallel_problems(cfg: DictConfig) -> list[str]:
     """parallel.* against the model and the batch: what can be known before any process group exists."""
     p = OmegaConf.select(cfg, "parallel")
@@ -210,6 +220,22 @@ def _parallel_problems(cfg: DictConfig) -> list[str]:
     if p.auto and OmegaConf.select(cfg, "amsp.plan") != "auto":
         out.append("parallel.auto=true is not allowed with a named amsp.plan: the joint planner chooses the AMSP "
                    "degrees too (set amsp.plan=auto)")
+    if p.auto:  # what the joint planner chooses (amsp/parallel/joint_startup.py) is not also taken by hand
+        given = [f"parallel.{k}={_describe(v)}" for k, default in JOINT_CHOOSES.items()
+                 if (v := _plain(OmegaConf.select(p, k))) != default]
+        given += [f"amsp.{k}={OmegaConf.select(cfg, f'amsp.{k}')}" for k in AMSP_DEGREES
+                  if OmegaConf.select(cfg, f"amsp.{k}") is not None]
+        if given:
+            out.append(f"{', '.join(given)} not allowed with parallel.auto=true: the joint planner chooses "
+                       f"them (it prices the 1F1B schedule); drop them, or set parallel.auto=false to run them as "
+                       f"given")
+    elif OmegaConf.select(cfg, "amsp.plan") == "auto" and OmegaConf.select(cfg, "amsp.p") is None:
+        named = [f"amsp.{k}={OmegaConf.select(cfg, f'amsp.{k}')}" for k in AMSP_DEGREES[3:]
+                 if OmegaConf.select(cfg, f"amsp.{k}") is not None]
+        if named:  # the partitioner chooses the embedding+head degrees with the blocks'
+            out.append(f"{', '.join(named)} not allowed with amsp.plan=auto alone: the partitioner chooses the "
+                       f"embedding and head degrees too; name the blocks' amsp.p, amsp.g and amsp.os as well (an "
+                       f"explicit plan), or drop them")
     cluster_file = OmegaConf.select(p, "cluster_file")
     if cluster_file and not p.auto:
         out.append(f"parallel.cluster_file={cluster_file} is not allowed without parallel.auto=true: the joint "

@@ -59,6 +59,14 @@ def test_bad_value_is_one_line_naming_key_value_and_allowed(key, value, allowed)
     ({"parallel.tp": 2, "data.seq_len": 255}, "set parallel.sequence_parallel=false"),
     ({"parallel.auto": True, "amsp.plan": "zero3"}, "set amsp.plan=auto"),
     ({"parallel.pp": 2, "model.tie_embeddings": True}, "different stages"),
+    # the joint planner chooses these: a hand-given value was silently replaced at startup
+    ({"parallel.auto": True, "parallel.tp": 2, "parallel.schedule": "gpipe"},
+     "parallel.tp=2, parallel.schedule='gpipe' not allowed with parallel.auto=true"),
+    ({"parallel.auto": True, "parallel.layer_split": [2, 2]}, "parallel.layer_split=.2, 2. not allowed"),
+    ({"parallel.auto": True, "amsp.embed_head_os": 2}, "amsp.embed_head_os=2 not allowed with parallel.auto"),
+    # amsp.plan=auto's partitioner chooses the embedding+head degrees: these were ignored
+    ({"amsp.embed_head_p": 2, "amsp.embed_head_g": 2}, "amsp.embed_head_p=2, amsp.embed_head_g=2 not allowed "
+                                                        "with amsp.plan=auto alone"),
 ])
 def test_parallel_settings_checked_against_model_and_batch(overrides, words):
     cfg = default_cfg()
@@ -68,6 +76,17 @@ def test_parallel_settings_checked_against_model_and_batch(overrides, words):
     with pytest.raises(ConfigError, match=words) as err:
         validate_config(cfg)
     assert "\n" not in str(err.value)
+
+
+def test_explicit_plans_keep_their_embedding_and_head_degrees():
+    cfg = default_cfg()
+    for k, v in {"amsp.p": 1, "amsp.g": 1, "amsp.os": 4, "amsp.embed_head_os": 2}.items():
+        OmegaConf.update(cfg, k, v, force_add=False)
+    validate_config(cfg)  # amsp.p given: an explicit plan, its embed_head degrees apply
+    cfg = default_cfg()
+    OmegaConf.update(cfg, "amsp.plan", "zero3", force_add=False)
+    OmegaConf.update(cfg, "amsp.embed_head_os", 2, force_add=False)
+    validate_config(cfg)
 
 
 def test_several_problems_reported_together_and_cross_field_rule():
