@@ -57,6 +57,8 @@ def parallelize_llama(model: nn.Module, tp_mesh, *, sequence_parallel: bool = Tr
     tp = tp_mesh.size()
     check_divisible(cfg, tp, seq_len, sequence_parallel)
     _use_unfused_where_sharded(model, sequence_parallel)
+    if sequence_parallel:
+        _use_own_norms(model)
     stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream between blocks
     top = {"tok_embeddings": VocabParallelEmbedding(output_layout=stream)}
     if sequence_parallel:
@@ -85,9 +87,7 @@ def parallelize_llama(model: nn.Module, tp_mesh, *, sequence_parallel: bool = Tr
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
         parallelize_module(block, tp_mesh, plan)
-        # The backend kernel of TE attention is built for a head count: give it the local one.
-        attn = block.attention
-        attn.n_heads, attn.n_kv_heads = cfg.n_heads // tp, cfg.n_kv_heads // tp
+        _local_attention_kernel(block.attention, model.attention_backend, cfg.n_heads // tp, cfg.n_kv_heads // tp)
     if model.head.output is None and not loss_parallel:
         raise InputError("tied embeddings with parallel.tp > 1 need parallel.loss_parallel=true (the tied head's "
                          "logits are vocabulary-sharded)")
@@ -135,6 +135,49 @@ def _vocab_parallel_forward(mesh, output_layout):
         return summed.redistribute(mesh, [output_layout]).to_local()
 
     return forward
+
+
+def _local_attention_kernel(attn: nn.Module, backend: str, n_heads: int, n_kv_heads: int) -> None:
+    """Give a block's attention the kernel for the heads this TP rank holds. The column-parallel wq/wk/wv
+    hand the kernel n_heads/tp query and n_kv_heads/tp key/value heads as plain local tensors; a kernel
+    built for a head count (Transformer Engine's DotProductAttention, sized when the model was built with
+    the global counts) is rebuilt for the local ones through the same backend choice (models/llama/
+    backends.make_attention). Stateless kernels (sdpa, flash_attn) come back as they were."""
+    from models.llama import backends
+
+    attn.n_heads, attn.n_kv_heads = n_heads, n_kv_heads
+    device = next(attn.parameters()).device  # meta when built for the engine: the kernel is made there too
+    with torch.device(device):
+        attn.kernel = backends.make_attention(backend, n_heads, n_kv_heads, attn.head_dim)
+
+
+def _use_own_norms(model: nn.Module) -> None:
+    """Sequence parallelism runs the norms on DTensors (their input Shard(1), their weight Replicate);
+    only this project's RMSNorm computes on DTensors (its reference path is plain torch ops, and
+    _use_unfused_where_sharded has switched its csrc kernel off). Any other norm module, Transformer
+    Engine's RMSNorm (model.norm=te) whose kernels take plain tensors, is replaced by the project's
+    unfused RMSNorm: the same function (fp32 normalisation, a gain named `weight`, so names, init and
+    checkpoints are unchanged), on the same device and dtype, its values copied when materialised."""
+    from models.llama.model import RMSNorm
+
+    swapped = 0
+    for parent in [*(b for b in model.layers), model.head]:
+        for name in ("attention_norm", "ffn_norm", "norm"):
+            old = getattr(parent, name, None)
+            if old is None or isinstance(old, RMSNorm):
+                continue
+            weight = old.weight
+            with torch.device(weight.device):
+                new = RMSNorm(weight.shape[0], model.cfg.norm_eps, fused=False).to(weight.dtype)
+            if weight.device.type != "meta":
+                with torch.no_grad():
+                    new.weight.copy_(weight)
+            new.weight.requires_grad_(weight.requires_grad)
+            setattr(parent, name, new)
+            swapped += 1
+    if swapped:
+        log.info("sequence parallelism: %d %s norm(s) replaced by the project's RMSNorm (the sequence-parallel "
+                 "norms compute on DTensors, which only its reference ops take)", swapped, model.norm_backend)
 
 
 def _use_unfused_where_sharded(model: nn.Module, sequence_parallel: bool) -> None:

@@ -46,14 +46,14 @@ def measure_tp_units(model_cfg, seq_len: int, micro_batch: int, dtype_name: str,
                      slowest: bool = True) -> TPUnitTimes:
     """TPUnitTimes of the run's shape at this tp (collective; world % tp == 0). slowest=False: this rank's
     own times instead of the world's slowest (on a mixed cluster each node type keeps its own)."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_ctx
 
     from amsp import control
     from amsp.planner.compute_profile import median_time
     from amsp.routing_check import data_plane
-    from models.llama.model import Llama
+    from models.llama.model import Llama, lm_loss
 
+    from .mesh import init_mesh
     from .tensor_parallel import parallelize_llama
 
     if tp < 2 or world % tp:
@@ -61,7 +61,7 @@ def measure_tp_units(model_cfg, seq_len: int, micro_batch: int, dtype_name: str,
     device = torch.device(device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     cfg = replace(model_cfg, n_layers=1, activation_checkpointing="none")
-    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("rest", "tp"))
+    mesh = init_mesh(device.type, (world // tp, tp), ("rest", "tp"))  # the run's collective timeout
     with torch.device("meta"):
         model = Llama(cfg)
     parallelize_llama(model, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
@@ -87,8 +87,11 @@ def measure_tp_units(model_cfg, seq_len: int, micro_batch: int, dtype_name: str,
         block(x, cos, sin).backward(grad)
 
     def head_step():
+        # As Llama.forward calls it under TP (the fused loss is off there): the head takes (states,
+        # tied table), the input plan of a tied head (tensor_parallel.py) names exactly those two, and
+        # the loss runs on its logits.
         with ctx():
-            head(x, tied, tokens).backward()
+            lm_loss(head(x, tied), tokens).backward()
 
     def emb_step():
         out = emb(tokens)

@@ -186,29 +186,10 @@ def gpu_counts(text: str) -> list[int]:
     return counts
 
 
-def efficiency_file(path: str, groups: set) -> dict:
-    """--efficiency: {node group: fraction of its peak in (0, 1]}; a key naming no group is refused."""
-    try:
-        data = json.loads(pathlib.Path(path).read_text())
-        if not isinstance(data, dict):
-            raise ValueError(f"got {type(data).__name__}")
-        eff = {str(k): float(v) for k, v in data.items()}
-    except (OSError, ValueError, TypeError) as e:
-        raise InputError(f"--efficiency {path}: not a JSON object of node group -> fraction of peak ({e})") from e
-    unknown = sorted(set(eff) - groups)
-    if unknown:
-        raise InputError(f"--efficiency {path}: {', '.join(unknown)} name no node group of the cluster (groups: "
-                         f"{', '.join(sorted(groups))})")
-    bad = [f"{k}={v}" for k, v in eff.items() if not 0 < v <= 1]
-    if bad:
-        raise InputError(f"--efficiency {path}: {', '.join(bad)}: a fraction of peak must be in (0, 1]")
-    return eff
-
-
 def _run_joint(cfg, args) -> int:
     from configs.schema import to_llama_config
 
-    from .joint.hetero import from_spec, load_hetero
+    from .joint.hetero import from_spec, load_hetero, read_efficiency_file
     from .joint.search import format_joint, plan_joint
     from .joint_inputs import joint_compute
     from .workload import default_kernels
@@ -236,7 +217,7 @@ def _run_joint(cfg, args) -> int:
     jc = joint_compute(cluster, profiles, {}, model, seq, mbs, prec, p.mfu, p.overlap_slowdown)
     cluster, eff = jc.cluster, jc.efficiency
     if args.efficiency:
-        eff.update(efficiency_file(args.efficiency, {g.name for g in cluster.groups}))
+        eff.update(read_efficiency_file(args.efficiency, cluster))
     log = (lambda msg: None) if args.json else (lambda msg: print(msg, file=sys.stderr))
     plans = plan_joint(model, cluster, seq_len=seq, global_batch=global_batch, precision=prec,
                        efficiency=eff, top_k=p.top_k, memory_margin=p.memory_margin,

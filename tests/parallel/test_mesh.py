@@ -46,3 +46,36 @@ def test_dp_topology_names_global_ranks_and_real_nodes():
 def test_bad_degrees_are_one_line_input_errors(kw, words):
     with pytest.raises(InputError, match=words):
         ParallelMesh(**kw)
+
+
+def test_a_stage_straddling_a_node_is_refused_naming_the_pp_that_work():
+    # 6 ranks on nodes of 2, pp 2: a stage of 3 ranks puts 2 DP ranks on one node and 1 on the next
+    with pytest.raises(InputError, match=r"parallel.pp=2 .* unequal ranks per node.*; use parallel.pp in \[1, 3, 6\]"):
+        ParallelMesh(world=6, ranks_per_node=2, tp=1, pp=2)
+    # a stage of 6 inside nodes of 8 (tp 2 x dp 3): stage 1 = ranks 6..11 spans two nodes unevenly
+    with pytest.raises(InputError, match="neither fits inside a node of 8 ranks nor fills whole nodes"):
+        ParallelMesh(world=24, ranks_per_node=8, tp=2, pp=4)
+
+
+def test_every_accepted_layout_gives_dp_groups_their_true_node_shape():
+    """Over every small layout: the mesh refuses it, or each DP group has exactly its Topology's
+    ranks_per_node members on each of its Topology's nodes (what the engine's groups and byte counts assume)."""
+    accepted = refused = 0
+    for world in range(1, 25):
+        for rpn in (r for r in range(1, world + 1) if world % r == 0):
+            for tp in (t for t in range(1, rpn + 1) if rpn % t == 0):
+                for pp in (p for p in range(1, world // tp + 1) if (world // tp) % p == 0):
+                    try:
+                        m = ParallelMesh(world=world, ranks_per_node=rpn, tp=tp, pp=pp)
+                    except InputError as e:
+                        assert "unequal ranks per node" in str(e), (world, rpn, tp, pp, e)
+                        refused += 1
+                        continue
+                    accepted += 1
+                    for topo in m.dp_topologies():
+                        per_node: dict = {}
+                        for r in topo.members:
+                            per_node[r // rpn] = per_node.get(r // rpn, 0) + 1
+                        assert set(per_node.values()) == {topo.ranks_per_node}, (world, rpn, tp, pp, per_node)
+                        assert len(per_node) == topo.nodes, (world, rpn, tp, pp, per_node)
+    assert accepted > 100 and refused > 10

@@ -3,6 +3,8 @@ measurements kept apart (amsp/parallel/mixed_cluster.py, amsp/planner/joint/hete
 stopping every rank with its own message."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from amsp.errors import InputError
@@ -52,6 +54,36 @@ def test_cluster_file_groups_named_apart_and_malformed_files_named(tmp_path):
                                     "inter_group_gbs: {a100x8-h100x8: 25}\n"))
 
 
+def test_every_malformed_key_is_named_with_the_file(tmp_path):
+    """Wrong types and values in a cluster file: one InputError naming the file and the key, never a
+    TypeError or ZeroDivisionError from inside the planner, and nothing accepted that would be misread."""
+    two = "node_groups:\n  - {preset: a100x8, nodes: 2}\n  - {preset: v100x8, nodes: 2}\n"
+    bad = {
+        two + "inter_group_gbs: [1, 2]\n": "inter_group_gbs=[1, 2]; it maps",
+        two + "inter_group_gbs: {a100x8-v100x8: 0}\n": "inter_group_gbs.a100x8-v100x8=0; a bandwidth",
+        two + "inter_group_gbs: {a100x8-v100x8: -5}\n": "inter_group_gbs.a100x8-v100x8=-5; a bandwidth",
+        two + "inter_group_gbs: {a100x8-v100x8: fast}\n": "inter_group_gbs.a100x8-v100x8='fast'",
+        two + "inter_group_gbs: {a100x8-v100x8: .inf}\n": "inter_group_gbs.a100x8-v100x8=inf",
+        "node_groups:\n  - {preset: a100x8, nodes: 2, name: [x]}\n": "node_groups[0].name=['x']",
+        "node_groups:\n  - {preset: [a100x8], nodes: 2}\n": "node_groups[0].preset=",
+        "node_groups:\n  - {preset: a100x8, nodes: 2, note: x}\n": "node_groups[0] has unknown key(s) note",
+        "node_groups:\n  - {preset: a100x8, nodes: true}\n": "node_groups[0].nodes=True; a group has a whole number",
+        "node_groups: {preset: a100x8, nodes: 2}\n": "node_groups is empty or not a list",
+        two + "inter_gbs: {a100x8-v100x8: 5}\n": "unknown key(s) inter_gbs",
+        "name: [x]\n" + two: "name=['x']; the cluster's name",
+        "nodes: two\n": "nodes='two'; a cluster has a whole number of nodes",
+    }
+    for text, why in bad.items():
+        path = _file(tmp_path, text)
+        with pytest.raises(InputError, match="^" + re.escape(f"{path}: {why}")):
+            read_cluster_file(path)
+    from amsp.planner.joint.hetero import HeteroCluster
+
+    mixed = load_hetero("configs/clusters_mixed/mixed_a100_v100.yaml")  # built in code: the same check
+    with pytest.raises(InputError, match="inter_group_gbs.a100x8-v100x8=0; a bandwidth"):
+        HeteroCluster("m", mixed.groups, {"a100x8-v100x8": 0})
+
+
 def test_launch_checked_against_the_file():
     cluster = load_hetero("configs/clusters_mixed/mixed_a100_v100.yaml")  # 2 x a100x8 + 2 x v100x8
     a100, v100 = "NVIDIA A100-SXM4-80GB", "Tesla V100-SXM2-32GB"
@@ -61,8 +93,9 @@ def test_launch_checked_against_the_file():
     assert "are 32 ranks, the launch has 24" in size
     # the hosts launched V100 nodes first: the A100 ranks sit in the v100x8 group's places
     (order,) = launch_problems(cluster, 32, [v100] * 16 + [a100] * 16, preset_for_device)
-    assert "rank 16 (node 2) runs on NVIDIA A100-SXM4-80GB (a100x8) but the file puts it in group v100x8" in order
-    assert "and 12 more" in order and order.endswith("launch the hosts in the file's group order")
+    # both kinds are recognised (v100x8 too), so every rank is out of place
+    assert "rank 0 (node 0) runs on Tesla V100-SXM2-32GB (v100x8) but the file puts it in group a100x8" in order
+    assert "and 28 more" in order and order.endswith("launch the hosts in the file's group order")
 
 
 def test_each_group_keeps_the_median_of_its_own_ranks():

@@ -127,8 +127,17 @@ def _run(rank: int, world: int, cases: list[dict]) -> list[dict]:
         if case.get("profile"):  # the joint planner's startup timing of TP units on real TP groups
             from amsp.parallel.tp_profile import measure_tp_units
 
-            t = measure_tp_units(model_cfg(), 16, 2, "fp32", "cpu", tp, world, repeats=1)
+            t = measure_tp_units(model_cfg(tie=case.get("tie", False)), 16, 2, "fp32", "cpu", tp, world, repeats=1)
             out.append({"case": case, "times": (t.block_s, t.head_s, t.embedding_s)})
+            continue
+        if case.get("te"):  # Transformer Engine kernels under TP, with stand-ins that check what TE needs
+            out.append({"case": case, **_te_under_tp(meshes[tp]["tp"], case["sp"])})
+            continue
+        if case.get("timeouts"):  # every group this rank is in, the mesh's included, has the run's timeout
+            from amsp.parallel.mesh import ParallelMesh
+
+            ParallelMesh(world, 2, tp=2, pp=2).device_mesh("cpu")  # all three dims < world: new groups
+            out.append({"case": case, "timeouts": _group_timeouts(), "want": control.collective_timeout()})
             continue
         if case.get("embedding_grad"):  # the vocabulary-parallel table's gradient: this rank's rows only
             from amsp.parallel.tensor_parallel import parallelize_llama
@@ -226,12 +235,109 @@ def _run(rank: int, world: int, cases: list[dict]) -> list[dict]:
     return out
 
 
+def _group_timeouts() -> dict:
+    """{description and ranks: timeout} of every process group this rank belongs to (gloo)."""
+    import torch.distributed as dist
+
+    out = {}
+    for pg in list(dist.distributed_c10d._world.pg_map):
+        ranks = tuple(sorted(dist.distributed_c10d._world.pg_group_ranks[pg]))
+        out[f"{pg.group_desc} {ranks}"] = pg._get_backend(torch.device("cpu")).options._timeout
+    return out
+
+
+class _FakeTEAttention(torch.nn.Module):
+    """Stands in for backends.TEAttention: built for head counts, as TE's DotProductAttention is, and refusing
+    q/k/v with others (TE would misread them), then attending as SDPA does."""
+
+    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+
+    def forward(self, q, k, v):
+        from models.llama.backends import sdpa_attention
+
+        if (q.shape[2], k.shape[2]) != (self.n_heads, self.n_kv_heads):
+            raise RuntimeError(f"kernel built for {self.n_heads}/{self.n_kv_heads} heads got {q.shape[2]}/{k.shape[2]}")
+        return sdpa_attention(q, k, v)
+
+
+class _FakeTENorm(torch.nn.Module):
+    """Stands in for transformer_engine.pytorch.RMSNorm: a gain named `weight`, kernels for plain tensors only."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps, self.weight = eps, torch.nn.Parameter(torch.empty(dim))
+
+    def forward(self, x):
+        from torch.distributed.tensor import DTensor
+
+        from models.llama.backends import rms_norm_reference
+
+        if isinstance(x, DTensor) or isinstance(self.weight, DTensor):
+            raise TypeError("a Transformer Engine kernel got a DTensor")
+        return rms_norm_reference(x, self.weight, self.eps)
+
+
+def _te_under_tp(tp_mesh, sp: bool) -> dict:
+    """A model whose attention and norms are (stand-ins for) Transformer Engine's, made tensor-parallel: its
+    loss must equal the unsplit model's, its kernels must be built for the local heads, and its norms must
+    be ones that take DTensors where sequence parallelism hands them DTensors."""
+    import copy
+
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    import models.llama.backends as backends
+    from amsp.parallel.tensor_parallel import parallelize_llama
+    from amsp.routing_check import data_plane
+    from models.llama.model import Llama, RMSNorm
+
+    cfg = model_cfg()
+    real = backends.make_attention
+    backends.make_attention = lambda choice, h, kv, d: _FakeTEAttention(h, kv, d) if choice == "te" else real(
+        choice, h, kv, d)
+    try:
+        torch.manual_seed(0)
+        model = Llama(cfg)
+        model.attention_backend, model.norm_backend = "te", "te"
+        for block in model.layers:
+            block.attention.kernel = backends.make_attention("te", cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+            block.attention_norm = _FakeTENorm(cfg.dim, cfg.norm_eps)
+            block.ffn_norm = _FakeTENorm(cfg.dim, cfg.norm_eps)
+        model.head.norm = _FakeTENorm(cfg.dim, cfg.norm_eps)
+        model.init_weights(SEED)
+        with torch.no_grad():  # gains other than init's ones, so a copy that drops them shows
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.uniform_(0.5, 1.5)
+        ref = copy.deepcopy(model)
+        parallelize_llama(model, tp_mesh, sequence_parallel=sp, loss_parallel=True, seq_len=16)
+        tokens, targets = micro_batch(0, 0, 0)
+        with data_plane(), loss_parallel():
+            loss = model(tokens, targets)
+            loss.backward()
+        want = ref(tokens, targets)
+        kernels = {(b.attention.kernel.n_heads, b.attention.kernel.n_kv_heads) for b in model.layers}
+        norms = [m for b in model.layers for m in (b.attention_norm, b.ffn_norm)] + [model.head.norm]
+        gains = [n.weight.to_local() if hasattr(n.weight, "to_local") else n.weight for n in norms]
+        ref_norms = [m for b in ref.layers for m in (b.attention_norm, b.ffn_norm)] + [ref.head.norm]
+        return {"loss_err": rel(loss.item(), want.item()), "kernels": kernels,
+                "norm_types": {type(n).__name__ for n in norms},
+                "own_norms": all(isinstance(n, RMSNorm) and not n.fused for n in norms),
+                "gains_kept": all(torch.equal(g.detach(), r.weight.detach()) for g, r in zip(gains, ref_norms))}
+    finally:
+        backends.make_attention = real
+
+
 CASES = [
     {"tp": 2, "sp": True, "blocks": (2, 2, 2)},  # zero3 on the DP group of 2
     {"tp": 2, "sp": False, "blocks": (1, 2, 2), "tie": True},  # zero2, tied embeddings
     {"tp": 2, "sp": True, "blocks": (1, 1, 2)},  # zero1
     {"tp": 2, "sp": True, "blocks": (2, 2, 2), "fault": True},
     {"tp": 2, "profile": True},
+    {"tp": 2, "profile": True, "tie": True},  # the tied head's two-input plan (tensor_parallel.py)
+    {"tp": 2, "te": True, "sp": True},
+    {"tp": 2, "te": True, "sp": False},
     {"tp": 2, "embedding_grad": True},
     {"tp": 2, "saved": True},
     {"tp": 2, "kept": True},
@@ -253,7 +359,16 @@ def test_tp_dp_equals_single_process(tmp_path):
                   {"tp": 1, "sp": False, "blocks": (2, 2, 2), "save_flat": flat_run},
                   {"tp": 1, "sp": False, "blocks": (1, 1, 4), "load": flat_run, "saved_dp": 4}]
     cache = tmp_path / "profile_cache"
-    results = run_distributed(_run, 4, CASES + ckpt_cases + [{"tp": 1, "profile_cache": str(cache)}], timeout=300)
+    results = run_distributed(_run, 4, CASES + ckpt_cases + [{"tp": 1, "profile_cache": str(cache)},
+                                                              {"tp": 1, "timeouts": True}], timeout=300)
+    for rank_results in results:  # the TP/PP/DP mesh's groups and the TP profile's: trainer's timeout, not torch's
+        (t,) = [r for r in rank_results if r["case"].get("timeouts")]
+        assert any(k.startswith("mesh_") for k in t["timeouts"]), t
+        assert all(v == t["want"] for v in t["timeouts"].values()), t
+    for sp in (True, False):  # Transformer Engine's kernels under TP: rebuilt for the local heads, norms that run
+        (te,) = [r for r in results[0] if r["case"].get("te") and r["case"]["sp"] == sp]
+        assert te["kernels"] == {(2, 1)} and te["loss_err"] <= 1e-5 and te["gains_kept"], te
+        assert te["own_norms"] if sp else te["norm_types"] == {"_FakeTENorm"}, te
     (emb,) = [r for r in results[0] if r["case"].get("embedding_grad")]
     cfg = model_cfg()  # not the full vocab x dim table on every TP rank (DTensor's own embedding backward)
     assert emb["placements"] == "(Shard(dim=0),)" and emb["shape"] == (cfg.vocab_size // 2, cfg.dim), emb
@@ -273,13 +388,15 @@ def test_tp_dp_equals_single_process(tmp_path):
     assert list(cached["by_group"]) == [("fast", 2), ("slow", 2)] and cached["by_group_again"] == cached["by_group"]
     assert cached["by_group"][("fast", 2)] != cached["by_group"][("slow", 2)]  # two groups' own medians, not one
     assert len(list(cache.glob("tp2-v*-*.json"))) == 2
-    profiles = [r["times"] for rank_results in results for r in rank_results if r["case"].get("profile")]
-    assert len(profiles) == 4 and all(p == profiles[0] for p in profiles), \
-        f"every rank must get the slowest rank's TP unit times: {profiles}"
-    assert all(0 < t < 60 for t in profiles[0]), profiles[0]
+    for tie in (False, True):
+        profiles = [r["times"] for rank_results in results for r in rank_results
+                    if r["case"].get("profile") and r["case"].get("tie", False) == tie]
+        assert len(profiles) == 4 and all(p == profiles[0] for p in profiles), \
+            f"every rank must get the slowest rank's TP unit times: {profiles}"
+        assert all(0 < t < 60 for t in profiles[0]), profiles[0]
     for r in results[0]:
         c = r["case"]
-        if any(c.get(k) for k in ("profile", "profile_cache", "embedding_grad", "saved", "kept")):
+        if any(c.get(k) for k in ("profile", "profile_cache", "embedding_grad", "saved", "kept", "te", "timeouts")):
             continue
         if c.get("fault"):
             assert r["norm_err"] > 1e-5, f"counting replicated copies on every TP rank went unnoticed: {r}"
@@ -288,5 +405,5 @@ def test_tp_dp_equals_single_process(tmp_path):
     for rank_results in results[1:]:  # every rank checked its own shards
         for r in rank_results:
             if not any(r["case"].get(k) for k in ("fault", "profile", "profile_cache", "embedding_grad", "saved",
-                                                  "kept")):
+                                                  "kept", "te", "timeouts")):
                 assert r["param_err"] <= 1e-5, r

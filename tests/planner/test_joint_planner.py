@@ -9,7 +9,8 @@ import pytest
 
 from amsp.errors import InputError
 from amsp.planner.joint.hetero import from_spec, load_hetero, load_preset
-from amsp.planner.joint.search import INF, _Candidate, plan_joint, split_bounds, stage_blocks
+from amsp.planner.joint.search import (INF, _Candidate, format_joint, plan_joint, price_config, split_bounds,
+                                       stage_blocks)
 from amsp.planner.joint.stage_cost import Setting
 from amsp.schedule import Precision
 from models.llama import get_preset
@@ -190,3 +191,71 @@ def test_joint_stage_prices_the_loss_path_the_device_runs():
     assert mem["eager"] - mem["fused"] >= eager.head_activation_bytes() - fused_w.head_activation_bytes()
     piped = dataclasses.replace(base, pp=2, dp=4)
     assert dataclasses.replace(piped, kernels=fused).workload().head_loss_fused is False
+
+
+def test_every_plan_is_a_layout_training_runs_and_its_dp_groups_are_priced_as_laid_out():
+    """3 nodes of 8: tp 2 x pp 2 puts 12 ranks in a stage, 1.5 nodes, which the mesh refuses
+    (amsp/parallel/mesh.py); such layouts are left out, and said so. The rest are priced with the DP shape
+    the mesh gives the engine (members per node, nodes)."""
+    from amsp.parallel.mesh import ParallelMesh
+
+    cluster = from_spec(load_preset("a100x8", 3))
+    plans = plan_joint(get_preset("llama2_7b"), cluster, seq_len=256, global_batch=96, precision=BF16, top_k=1000)
+    for p in plans:
+        stage = cluster.world // p.pp
+        assert stage % 8 == 0 or 8 % stage == 0, f"{p.key()}: a stage of {stage} ranks straddles a node"
+        topo = ParallelMesh(cluster.world, 8, tp=p.tp, pp=p.pp).dp_topology(0)
+        s = Setting(get_preset("llama2_7b"), 256, BF16, p.tp, p.pp, p.dp, p.micro_batch_size, p.num_micro, {})
+        pricer = _Candidate(s, cluster).pricers[0]
+        assert (pricer.dp_per_node, pricer.spec.nodes) == (topo.ranks_per_node, topo.nodes), p.key()
+    assert {(p.tp, p.pp) for p in plans} >= {(1, 1), (2, 3)}
+    assert any("tp2 pp2 (12 ranks a stage)" in n and "not considered" in n for n in plans[0].notes), plans[0].notes
+    with pytest.raises(InputError, match="neither fits inside a node"):
+        price_config(get_preset("llama2_7b"), cluster, seq_len=256, global_batch=96, precision=BF16, tp=2, pp=2,
+                     micro_batch_size=1, degrees=None)
+
+
+def test_tied_embeddings_are_never_pipelined():
+    """Training refuses pp > 1 with tied embeddings (configs/validate.py): the search leaves pipelines out
+    and says why; pricing one by hand is refused."""
+    tied = get_preset("debug").with_overrides(tie_embeddings=True)
+    cluster = from_spec(load_preset("a100x8", 1))
+    plans = plan_joint(tied, cluster, seq_len=256, global_batch=64, precision=BF16, top_k=1000)
+    assert plans and all(p.pp == 1 for p in plans), [p.key() for p in plans if p.pp > 1]
+    assert any("model.tie_embeddings=true" in n for n in plans[0].notes), plans[0].notes
+    assert "note: pp > 1 not considered" in format_joint(plans, cluster)
+    with pytest.raises(InputError, match="tie_embeddings"):
+        price_config(tied, cluster, seq_len=256, global_batch=64, precision=BF16, tp=1, pp=2, micro_batch_size=1,
+                     degrees=None)
+
+
+def test_nothing_runs_for_the_batch_says_so_not_memory():
+    """A global batch of 2 on 32 GPUs splits over no layout: the message names the batch and the
+    pipelines' micro-batches, and the smallest batch that splits, not a 0.0 GiB memory shortfall."""
+    with pytest.raises(InputError) as e:
+        plan_joint(get_preset("llama2_7b"), load_hetero(MIXED), seq_len=4096, global_batch=2, precision=BF16)
+    msg = str(e.value)
+    assert "GiB" not in msg.split(" = 32 GPUs: ")[1], msg
+    assert "global batch of 2 samples does not split" in msg and "fewer micro-batches a step (B) than pipeline" in msg
+    assert "raise trainer.global_batch_size" in msg and "4 samples at the least" in msg, msg
+
+
+def test_efficiency_is_checked_per_node_group(tmp_path):
+    cluster = load_hetero(MIXED)
+    tiny = get_preset("tiny")
+    with pytest.raises(InputError, match="efficiency of node group a100x8 is 0"):
+        plan_joint(tiny, cluster, seq_len=128, global_batch=64, precision=BF16, efficiency={"a100x8": 0})
+    with pytest.raises(InputError, match="given for a100, not a node group"):
+        plan_joint(tiny, cluster, seq_len=128, global_batch=64, precision=BF16, efficiency={"a100": 0.5})
+    from amsp.planner.joint.hetero import read_efficiency_file
+
+    good = tmp_path / "good.json"
+    good.write_text('{"v100x8": 0.3}')
+    assert read_efficiency_file(good, cluster) == {"v100x8": 0.3}
+    for text, why in {'{"a100x8": 0}': "a100x8=0; a fraction of peak in", '{"a100x8": 1.5}': "a100x8=1.5",
+                      '{"a100x8": "x"}': "a100x8='x'", '{"a100": 0.5}': "'a100' is not a node group",
+                      "[1]": "expected a JSON object", "{": "not readable as JSON"}.items():
+        bad = tmp_path / "eff.json"
+        bad.write_text(text)
+        with pytest.raises(InputError, match=f"--efficiency {bad}: .*{why}"):
+            read_efficiency_file(bad, cluster)

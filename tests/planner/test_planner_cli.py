@@ -224,8 +224,8 @@ def test_joint_cli_prices_a_given_compute_profile(tmp_path, capsys):
     assert main(["--compute-profile", str(per_group)] + mixed) == 2
     assert "node group 'h100x8' is not in the cluster" in capsys.readouterr().err
     eff = tmp_path / "eff.json"
-    for bad, message in (({"a100x8": 0}, "must be in (0, 1]"), ({"zzz": 0.5}, "zzz name no node group"),
-                         ([0.5], "not a JSON object")):
+    for bad, message in (({"a100x8": 0}, "a fraction of peak in (0, 1]"), ({"zzz": 0.5}, "'zzz' is not a node group"),
+                         ([0.5], "expected a JSON object")):
         eff.write_text(json.dumps(bad))
         assert main(["--efficiency", str(eff)] + mixed) == 2
         assert message in capsys.readouterr().err

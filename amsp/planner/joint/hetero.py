@@ -19,6 +19,8 @@ would number them; the mesh (amsp/parallel/mesh.py) then puts pipeline stage i o
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import pathlib
 from dataclasses import dataclass, field
 
@@ -60,10 +62,14 @@ class HeteroCluster:
                 raise InputError(f"cluster {self.name}: node groups named {g.name!r} use different presets "
                                  f"({presets[g.name]}, {g.preset}); give each kind of node its own name")
         pairs = {f"{a}-{b}" for a in presets for b in presets if a != b}
-        unknown = sorted(set(self.inter_group_gbs) - pairs)
+        unknown = sorted(set(map(str, self.inter_group_gbs)) - pairs)
         if unknown:
             raise InputError(f"cluster {self.name}: inter_group_gbs names {', '.join(unknown)}, not a pair of its "
                              f"node groups ({', '.join(sorted(pairs)) or 'one group: no pairs'})")
+        for key, gbs in self.inter_group_gbs.items():  # a time divides by it
+            if not _positive_number(gbs):
+                raise InputError(f"cluster {self.name}: inter_group_gbs.{key}={gbs!r}; a bandwidth is a number of "
+                                 f"GB/s per node > 0")
 
     @property
     def ranks_per_node(self) -> int:
@@ -136,9 +142,21 @@ def from_spec(spec: ClusterSpec) -> HeteroCluster:
     return HeteroCluster(spec.name, (NodeGroup(spec.name, spec.nodes, spec),))
 
 
+def _positive_number(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+
+
+def _whole_at_least_one(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int) and v >= 1
+
+
+_GROUP_KEYS = ("name", "preset", "nodes")
+_MIXED_KEYS = ("name", "node_groups", "inter_group_gbs")
+
+
 def read_cluster_file(path: str | pathlib.Path) -> tuple[str, list[tuple[str, str, int]], dict]:
     """(name, [(group name, preset, nodes)], inter_group_gbs) of a mixed-cluster YAML, or of a plain preset
-    file as one group; InputError naming the file and the entry when it is malformed."""
+    file as one group; InputError naming the file and the key when it is malformed."""
     from omegaconf import OmegaConf
 
     path = pathlib.Path(path)
@@ -150,18 +168,44 @@ def read_cluster_file(path: str | pathlib.Path) -> tuple[str, list[tuple[str, st
         raise InputError(f"cluster file {path}: not readable as YAML ({e})") from e
     if not isinstance(raw, dict):
         raise InputError(f"cluster file {path}: expected a mapping with node_groups, got {type(raw).__name__}")
-    if "node_groups" not in raw:
-        return path.stem, [(path.stem, path.stem, int(raw.get("nodes", 1)))], {}
+    name = raw.get("name", path.stem)
+    if not isinstance(name, str) or not name:
+        raise InputError(f"{path}: name={name!r}; the cluster's name is a non-empty string")
+    if "node_groups" not in raw:  # a plain preset: one group of its own nodes
+        nodes = raw.get("nodes", 1)
+        if not _whole_at_least_one(nodes):
+            raise InputError(f"{path}: nodes={nodes!r}; a cluster has a whole number of nodes >= 1")
+        return path.stem, [(path.stem, path.stem, nodes)], {}
+    unknown = sorted(set(map(str, raw)) - set(_MIXED_KEYS))
+    if unknown:
+        raise InputError(f"{path}: unknown key(s) {', '.join(unknown)}; a mixed cluster has {', '.join(_MIXED_KEYS)}")
+    entries = raw["node_groups"]
+    if not isinstance(entries, list) or not entries:
+        raise InputError(f"{path}: node_groups is empty or not a list of {{preset, nodes[, name]}} entries, got "
+                         f"{entries!r}")
     groups = []
-    for i, g in enumerate(raw["node_groups"] or []):
+    for i, g in enumerate(entries):
         if not isinstance(g, dict) or "preset" not in g or "nodes" not in g:
             raise InputError(f"{path}: node_groups[{i}] needs `preset` and `nodes`, got {g}")
-        if not isinstance(g["nodes"], int) or g["nodes"] < 1:
-            raise InputError(f"{path}: node_groups[{i}] has nodes={g['nodes']}; a group has a whole number >= 1")
-        groups.append((str(g.get("name") or g["preset"]), str(g["preset"]), g["nodes"]))
-    if not groups:
-        raise InputError(f"{path}: node_groups is empty")
-    return str(raw.get("name", path.stem)), groups, dict(raw.get("inter_group_gbs") or {})
+        extra = sorted(set(map(str, g)) - set(_GROUP_KEYS))
+        if extra:
+            raise InputError(f"{path}: node_groups[{i}] has unknown key(s) {', '.join(extra)}; a group has "
+                             f"{', '.join(_GROUP_KEYS)}")
+        if not _whole_at_least_one(g["nodes"]):
+            raise InputError(f"{path}: node_groups[{i}].nodes={g['nodes']!r}; a group has a whole number >= 1 of "
+                             f"nodes")
+        for key in ("preset", "name"):
+            if key in g and g[key] is not None and (not isinstance(g[key], str) or not g[key]):
+                raise InputError(f"{path}: node_groups[{i}].{key}={g[key]!r}; it is a non-empty string")
+        groups.append((g.get("name") or g["preset"], g["preset"], g["nodes"]))
+    inter = raw.get("inter_group_gbs") or {}
+    if not isinstance(inter, dict):
+        raise InputError(f"{path}: inter_group_gbs={inter!r}; it maps `<group>-<group>` to GB/s per node, e.g. "
+                         f"{{a100x8-v100x8: 25}}")
+    for key, gbs in inter.items():
+        if not _positive_number(gbs):
+            raise InputError(f"{path}: inter_group_gbs.{key}={gbs!r}; a bandwidth is a number of GB/s per node > 0")
+    return name, groups, {str(k): v for k, v in inter.items()}
 
 
 def load_hetero(path: str | pathlib.Path, resolve=load_preset) -> HeteroCluster:
@@ -171,6 +215,28 @@ def load_hetero(path: str | pathlib.Path, resolve=load_preset) -> HeteroCluster:
     name, groups, inter = read_cluster_file(path)
     return HeteroCluster(name, tuple(NodeGroup(g, nodes, resolve(preset, nodes), preset)
                                      for g, preset, nodes in groups), inter)
+
+
+def read_efficiency_file(path: str | pathlib.Path, cluster: HeteroCluster) -> dict:
+    """{node group: fraction of peak its compute reaches} from a JSON file (the planner's --efficiency);
+    InputError naming the file and the key for anything else: not a JSON object, a key that names no node
+    group of `cluster` (silently unused otherwise), a value that is not a number in (0, 1]."""
+    path = pathlib.Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"--efficiency {path}: not readable as JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise InputError(f"--efficiency {path}: expected a JSON object of node group -> fraction of peak, got "
+                         f"{type(raw).__name__}")
+    names = list(dict.fromkeys(g.name for g in cluster.groups))
+    for key, v in raw.items():
+        if key not in names:
+            raise InputError(f"--efficiency {path}: {key!r} is not a node group of cluster {cluster.name} "
+                             f"(its groups: {', '.join(names)})")
+        if not _positive_number(v) or v > 1:
+            raise InputError(f"--efficiency {path}: {key}={v!r}; a fraction of peak in (0, 1]")
+    return {k: float(v) for k, v in raw.items()}
 
 
 def group_as_cluster(g: NodeGroup, nodes: int, ranks_per_node: int) -> ClusterSpec:

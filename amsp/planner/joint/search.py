@@ -17,11 +17,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-import dataclasses
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from amsp.errors import InputError
+from amsp.parallel.mesh import stage_layout_problem
 from amsp.parallel.micro_batches import micro_batch_problem
 from amsp.schedule import Precision
 from models.llama.config import LlamaConfig
@@ -77,6 +77,11 @@ class _Candidate:
     def __init__(self, s: Setting, cluster: HeteroCluster):
         self.s, self.cluster = s, cluster
         per_stage = s.tp * s.dp
+        # The stage pricer's DP shape (dp / dp-per-node) is exact only for stages that fit inside a node or
+        # fill whole nodes, the layouts the mesh accepts (amsp/parallel/mesh.stage_layout_problem).
+        problem = stage_layout_problem(cluster.world, cluster.ranks_per_node, s.tp, s.pp)
+        if problem:
+            raise InputError(f"tp={s.tp} pp={s.pp} on {cluster.world} GPUs: {problem}")
         self.pricers, by_group, comm_cache = [], {}, {}
         for i in range(s.pp):
             g = stage_group(s, cluster.groups_of_ranks(i * per_stage, (i + 1) * per_stage))
@@ -240,23 +245,36 @@ def plan_joint(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, glob
                unit_times: dict | None = None, progress=None, overlap_spread: bool = False,
                spread_window: int = 2, optimizer_s_per_elem: dict | None = None,
                kernels: Kernels | None = None, sequence_parallel: bool = True) -> list[JointPlan]:
-    """Ranked feasible joint plans (fastest first). InputError when nothing fits. overlap_spread /
-    spread_window: the engine's (amsp.overlap_spread, amsp.spread_window), for the memory model;
-    kernels / sequence_parallel: what the run executes (Workload.kernels, parallel.sequence_parallel)."""
+    """Ranked feasible joint plans (fastest first). InputError when nothing fits, naming what excluded the
+    layouts. overlap_spread / spread_window: the engine's (amsp.overlap_spread, amsp.spread_window), for the
+    memory model; kernels / sequence_parallel: what the run executes (Workload.kernels,
+    parallel.sequence_parallel). Layouts training refuses are never priced: pp > 1 with tied embeddings
+    (configs/validate.py), stages that straddle a node part-way (amsp/parallel/mesh.py), fewer micro-batches
+    than stages (amsp/parallel/micro_batches.py); the winner's notes say which were left out."""
     t0 = time.perf_counter()
     world, gpn = cluster.world, cluster.ranks_per_node
-    eff = efficiency or {}
+    eff = check_efficiency(efficiency or {}, cluster)
     plans, shortfall = [], None
     tps = tp_degrees or tp_candidates(model, gpn, seq_len)
-    combos = [(tp, pp) for tp in tps for pp in _divisors(world // tp) if pp <= model.n_layers]
+    left_out = _LeftOut()
+    combos = []
+    for tp, pp in ((tp, pp) for tp in tps for pp in _divisors(world // tp) if pp <= model.n_layers):
+        if pp > 1 and model.tie_embeddings:
+            left_out.add("tied", f"tp{tp} pp{pp}")
+        elif stage_layout_problem(world, gpn, tp, pp):
+            left_out.add("uneven", f"tp{tp} pp{pp} ({world // pp} ranks a stage)")
+        else:
+            combos.append((tp, pp))
     for n, (tp, pp) in enumerate(combos):
         dp = world // (tp * pp)
-        for mbs in micro_batch_sizes:
-            if global_batch % (dp * mbs):
-                continue
+        sizes = [m for m in micro_batch_sizes if global_batch % (dp * m) == 0]
+        runnable = [m for m in sizes if not pipeline_refuses(pp, global_batch // (dp * m))]
+        if not sizes:  # a layout is left out for its batch only when no micro-batch size of it runs
+            left_out.add("batch", f"tp{tp} pp{pp} dp{dp}")
+        elif not runnable:
+            left_out.add("micro", f"tp{tp} pp{pp} dp{dp} (B={global_batch // (dp * min(sizes))})")
+        for mbs in runnable:
             B = global_batch // (dp * mbs)
-            if pipeline_refuses(pp, B):
-                continue
             s = Setting(model, seq_len, precision, tp, pp, dp, mbs, B, eff, memory_margin, reserved_bytes,
                         overlap_slowdown, unit_times or {}, overlap_spread, spread_window, optimizer_s_per_elem or {},
                         kernels, sequence_parallel)
@@ -265,9 +283,11 @@ def plan_joint(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, glob
             if bounds is None:
                 need = cand.shortfall()
                 shortfall = need if shortfall is None else min(shortfall, need)
+                left_out.add("memory", f"tp{tp} pp{pp} dp{dp} mbs{mbs}")
                 continue
             res = cand.evaluate(bounds)
             if res is None:
+                left_out.add("memory", f"tp{tp} pp{pp} dp{dp} mbs{mbs}")
                 continue
             step, stages, terms = res
             flops = 6 * model.num_params() * global_batch * seq_len + 12 * model.n_layers * model.dim * \
@@ -286,12 +306,79 @@ def plan_joint(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, glob
             progress(f"joint planner: {n + 1}/{len(combos)} (tp, pp) pairs, {len(plans)} feasible plans, "
                      f"{time.perf_counter() - t0:.1f} s")
     if not plans:
-        gib = (shortfall or 0) / 2**30
-        raise InputError(f"no joint plan fits {cluster.describe()}: the most memory-saving layout still "
-                         f"needs {gib:.1f} GiB more per GPU on its tightest stage; add GPUs or shorten data.seq_len")
+        smallest = min((world // tp for tp, _ in combos), default=world) * min(micro_batch_sizes)
+        raise InputError(f"no joint plan fits {cluster.describe()}: "
+                         + left_out.why_none(global_batch, smallest, shortfall))
     plans.sort(key=lambda p: p.step_s)
     explain(plans)
+    plans[0].notes = left_out.notes()
     return plans[:top_k]
+
+
+class _LeftOut:
+    """Which layouts the search excluded, and why, for the winner's notes and the nothing-fits message."""
+
+    def __init__(self):
+        self.keys: dict[str, list[str]] = {}
+
+    def add(self, why: str, key: str) -> None:
+        self.keys.setdefault(why, []).append(key)
+
+    @staticmethod
+    def _some(keys: list[str], n: int = 3) -> str:
+        return ", ".join(keys[:n]) + (f" and {len(keys) - n} more" if len(keys) > n else "")
+
+    def _reasons(self) -> dict[str, str]:
+        k = self.keys
+        out = {}
+        if "tied" in k:
+            out["tied"] = ("pp > 1 not considered: model.tie_embeddings=true keeps the embedding and the head, "
+                           "which share one table, on one stage (training refuses pipelines then)")
+        if "uneven" in k:
+            out["uneven"] = (f"{self._some(k['uneven'], 12)} not considered: a stage that neither fits inside a node "
+                             f"nor fills whole nodes has unequal data-parallel ranks per node, which training refuses")
+        return out
+
+    def notes(self) -> list[str]:
+        return list(self._reasons().values())
+
+    def why_none(self, global_batch: int, smallest: int, shortfall: float | None) -> str:
+        """What excluded every layout, most actionable first."""
+        k, parts = self.keys, []
+        if shortfall is not None:
+            parts.append(f"the most memory-saving layout still needs {shortfall / 2**30:.1f} GiB more per GPU on its "
+                         f"tightest stage (add GPUs or shorten data.seq_len)")
+        if "batch" in k or "micro" in k:
+            what = []
+            if "batch" in k:
+                what.append(f"the global batch of {global_batch} samples does not split into whole micro-batches "
+                            f"over the data-parallel ranks of {self._some(k['batch'])}")
+            if "micro" in k:
+                what.append(f"{self._some(k['micro'])} would get fewer micro-batches a step (B) than pipeline stages, "
+                            f"and 1F1B needs at least one per stage")
+            parts.append("; ".join(what) + f"; raise trainer.global_batch_size (a layout takes a multiple of its "
+                                           f"dp x micro-batch size, with at least pp micro-batches: {smallest} "
+                                           f"samples at the least on this cluster)")
+        parts += self._reasons().values()
+        if not parts:  # no (tp, pp) to try at all
+            parts.append("no tensor-parallel degree divides the GPUs per node and the model's dimensions")
+        return "; ".join(parts)
+
+
+def check_efficiency(efficiency: dict, cluster: HeteroCluster) -> dict:
+    """The per-node-group compute efficiency (fraction of peak), checked: every key names a node group of
+    the cluster and every value is a finite number > 0 (one divides by it). A bad one is a one-line
+    InputError naming the group, not a ZeroDivisionError inside the pricing."""
+    names = [g.name for g in cluster.groups]
+    unknown = sorted(set(efficiency) - set(names))
+    if unknown:
+        raise InputError(f"compute efficiency given for {', '.join(map(str, unknown))}, not a node group of "
+                         f"cluster {cluster.name} (its groups: {', '.join(dict.fromkeys(names))})")
+    for name, v in efficiency.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise InputError(f"compute efficiency of node group {name} is {v!r}: a fraction of peak > 0 is "
+                             f"needed (amsp.planner.mfu, or the --efficiency file)")
+    return efficiency
 
 
 def _full(dp: int):
@@ -344,6 +431,7 @@ def format_joint(plans: list[JointPlan], cluster: HeteroCluster) -> str:
                      f"{p.step_s:>9.3f} {p.mfu:>6.1%}  {_clip(split, 24):<24} {_clip(degs, 28):<28} "
                      f"{_clip(rc, 9):<9}  {mem}")
     lines += ["", "why: " + plans[0].decided_by]
+    lines += [f"note: {n}" for n in plans[0].notes]
     if len(set(plans[0].stage_nodes)) > 1:
         lines.append("stages on: " + ", ".join(f"{i}:{n}({s})" for i, (n, s) in
                                               enumerate(zip(plans[0].stage_nodes, plans[0].layer_split))))
@@ -381,9 +469,13 @@ def price_config(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, gl
     """Predicted step seconds and terms of one named configuration (benchmarks compare it with a run),
     or None when it does not fit. layer_split: blocks per stage (None: the DP's split); the terms carry
     the split priced under "layer_split"."""
+    if pp > 1 and model.tie_embeddings:
+        raise InputError(f"pp={pp} with model.tie_embeddings=true: the embedding and the head share one table, "
+                         f"which training keeps on one stage")
     dp = cluster.world // (tp * pp)
     B = global_batch // (dp * micro_batch_size)
-    s = Setting(model, seq_len, precision, tp, pp, dp, micro_batch_size, B, efficiency or {}, memory_margin,
+    s = Setting(model, seq_len, precision, tp, pp, dp, micro_batch_size, B,
+                check_efficiency(efficiency or {}, cluster), memory_margin,
                 reserved_bytes, overlap_slowdown, unit_times or {}, overlap_spread, spread_window,
                 optimizer_s_per_elem or {}, kernels, sequence_parallel)
     cand = _Candidate(s, cluster)
