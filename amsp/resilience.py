@@ -134,12 +134,15 @@ class Heartbeat:
         self._started = self._io_ok = time.monotonic()
         # not in a pretend world (one process posing as a rank of many: no peer ever beats)
         live = world > 1 and dist.is_initialized() and not control.pretend_world()
+        self._store_timeout_s = float(timeout_s)  # the default store's; _connect() sets its own client's
+        self._io: threading.Thread | None = None
         self.store = self._connect() if live else None
         self._prefix = "amsp/alive/" + os.environ.get("TORCHELASTIC_RUN_ID", "") + "/" + \
             os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         if self.store is not None:
             self._publish()
-            threading.Thread(target=self._io_loop, name="amsp-heartbeat", daemon=True).start()
+            self._io = threading.Thread(target=self._io_loop, name="amsp-heartbeat", daemon=True)
+            self._io.start()
             threading.Thread(target=self._watchdog, name="amsp-watchdog", daemon=True).start()
 
     def _connect(self):
@@ -148,7 +151,9 @@ class Heartbeat:
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if addr and port:
             try:
-                return dist.TCPStore(addr, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+                store = dist.TCPStore(addr, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+                self._store_timeout_s = timeout.total_seconds()
+                return store
             except Exception as e:  # noqa: BLE001 - fall back to the default store
                 log.debug("heartbeat: no store client of its own (%s); using the default store", e)
         return dist.distributed_c10d._get_default_store()
@@ -164,6 +169,8 @@ class Heartbeat:
         for r in range(self.world):
             if r == self.rank:
                 continue
+            if self._halt.is_set():  # close(): leave the store at once, not after every peer's key
+                return
             key = self._key(r)
             raw = self.store.get(key) if self.store.check([key]) else None
             if raw is None:
@@ -237,6 +244,21 @@ class Heartbeat:
         self.state = state
         self._wake.set()
         self._published.wait(2.0)
+
+    def close(self, state: str = "done") -> None:
+        """The end of the run: stop(state), then end both threads and wait (bounded by the store's timeout)
+        until the I/O thread has returned from its store call. A daemon thread still inside a c10d Store call
+        (which releases the GIL) when the interpreter finalizes is ended by pthread_exit on its way back into
+        Python; the unwind crosses pybind11's noexcept gil_scoped_release and std::terminate aborts the
+        process ("terminate called without an active exception", SIGABRT, exit -6) after a run that
+        succeeded. Not for _exit()/fail(): their lingering needs the I/O thread still reading."""
+        self.stop(state)
+        self._halt.set()
+        self._wake.set()
+        if self._io is not None:
+            # a healthy store answers in milliseconds; a hung one must not hold the exit for long
+            self._io.join(min(self._store_timeout_s, 10.0) + self.interval)
+            self._io = None
 
     def stopped_ranks(self) -> list[tuple[int, float]] | None:
         """Peers whose counter does not move: waits until every peer has either moved twice since this
