@@ -38,7 +38,7 @@ from amsp.parallel.joint_startup import joint_plan_for_run, stage_plan
 from amsp.parallel.pipeline import check_micro_batches
 from amsp.parallel.setup import mesh_from_config, model_parts, pipeline_runner
 from amsp.planner import plan_for_run
-from amsp.replan_switch import Replanner
+from amsp.replan_switch import Replanner, plan_after_switch
 from amsp.startup_memory import build_or_explain_oom
 from amsp.batch_geometry import batch_geometry
 from amsp.resilience import Heartbeat, NaNInjector, PreemptionHandler, SkipGuard, TooManySkippedSteps, die_now
@@ -157,12 +157,21 @@ def run(cfg: DictConfig) -> None:
         check_micro_batches(cfg.parallel.schedule, accum, mesh.pp)
     # The sharding plan is chosen (amsp.plan=auto: the partitioner, amsp/planner; probe, ILP, table in
     # RUN_DIR/plan.txt) or checked before anything is built: a broken rule is named right away.
-    planned = None
+    planned, switched = None, None
     if joint is not None:
         plan = stage_plan(joint, mesh, denv.rank)
     elif cfg.amsp.plan == "auto" and cfg.amsp.p is None:
         planned = plan_for_run(cfg, denv, device, run_dir if denv.is_main else None)
         plan = planned.plan
+        # A resumed run continues on the plan its recheck switched to (RUN_DIR/replan.json), not the prior's.
+        switched = control.decided_by_rank0(
+            lambda: plan_after_switch(run_dir, topology_from(cfg.amsp, denv), denv.world_size), denv.rank) \
+            if cfg.trainer.resume else None
+        if switched is not None:
+            if denv.is_main:
+                log.info("planner: resuming with plan %s instead of the startup's %s: %s", switched[0], plan,
+                         switched[1])
+            plan = switched[0]
     else:
         plan = plan_from_config(cfg.amsp, topology_from(cfg.amsp, denv) if mesh is None else mesh.dp_topology(denv.rank))
     # After amsp.planner.recheck_steps steps: measured vs predicted, refit, maybe a better plan (amsp/replan_switch.py).
@@ -180,7 +189,9 @@ def run(cfg: DictConfig) -> None:
         shutil.copyfile(data.tokenizer.model_file, tokenizer_copy)
     resolved = OmegaConf.to_yaml(OmegaConf.merge(cfg, {"data": {"tokenizer": str(tokenizer_copy.resolve())}}),
                                  resolve=True)
-    train_loader = MicroBatchLoader(data.train, gbs, mbs, dp_rank, dp_world, prefetch=cfg.data.prefetch)
+    # Pinned batches on CUDA: the engine's copy to the device then does not block the host.
+    train_loader = MicroBatchLoader(data.train, gbs, mbs, dp_rank, dp_world, prefetch=cfg.data.prefetch,
+                                    pin_device=device)
     check_validation_geometry(data.valid, cfg.trainer.val_samples, mbs, dp_world, announce=denv.is_main)
 
     # The AMSP engine builds the model on the meta device and initialises only this rank's shards;
@@ -246,7 +257,10 @@ def run(cfg: DictConfig) -> None:
     tokens_per_step = gbs * seq_len
     wandb_run = make_wandb(cfg, run_dir, denv.rank, resume_id=wandb_id)
     # The plan in the run config (degrees, and the planner's prediction) and the planner's ranked table.
-    log_plan(wandb_run, engine.plan, cfg.amsp.plan, planned)
+    if switched is None:
+        log_plan(wandb_run, engine.plan, cfg.amsp.plan, planned)
+    else:  # the plan the recheck switched to before this resume, and the startup's choice it replaces
+        log_switch(wandb_run, engine.plan, planned.plan, cfg.amsp.plan, switched[2], switched[1])
     metrics = make_metrics(cfg, denv, run_dir, device, dtype, tokens_per_step, fpt, wandb_run)
     if latest is not None and denv.is_main:  # rows of steps this run logs again would appear twice
         metrics.drop_after(start_step)
@@ -270,7 +284,7 @@ def run(cfg: DictConfig) -> None:
         if data.valid is None or cfg.trainer.val_samples <= 0:
             return
         loss = evaluate(runner or engine, validation_batches(data.valid, mbs, dp_rank, dp_world,
-                                                   cfg.trainer.val_samples), device)
+                                                             cfg.trainer.val_samples, pin_device=device))
         if denv.is_main:
             log.info("step %d: validation loss %.4f", step, loss)
             with open(run_dir / "validation.jsonl", "a") as f:
@@ -333,7 +347,9 @@ def run(cfg: DictConfig) -> None:
                 save(step)
             if replanner.switch_due(step):  # a plan predicted >= 5% faster: through a checkpoint, as a resume
                 old_plan = engine.plan
-                engine = replanner.switch(engine, step, save, ckpt, build=build_engine,
+                engine = replanner.switch(engine, step, save, ckpt,
+                                          build=lambda p: build_or_explain_oom(lambda: build_engine(p), cfg, denv,
+                                                                               device, p),
                                           load=lambda path, e: load_training_state(ckpt, path, e))
                 if engine.plan is not old_plan:
                     log_switch(wandb_run, engine.plan, old_plan, cfg.amsp.plan, step, replanner.reason)
@@ -356,7 +372,10 @@ def run(cfg: DictConfig) -> None:
             heartbeat.fail(step, e)  # names the rank(s) whose heartbeat stopped; exits 3 (or 1: a bug) at once
         raise
     finally:
-        heartbeat.stop("left" if sys.exc_info()[0] else "done")  # on purpose: peers will not blame this rank
+        # On purpose: peers will not blame this rank. close() also waits for the heartbeat's I/O thread to leave
+        # the store: a daemon thread inside a store call at interpreter exit aborts the process (SIGABRT).
+        heartbeat.close("left" if sys.exc_info()[0] else "done")
+        train_loader.close()  # the prefetch thread, likewise: no daemon thread in torch code at exit
         preemption.restore()
 
     wandb_run.finish()
@@ -390,16 +409,20 @@ def check_validation_geometry(valid, val_samples: int, mbs: int, dp_world: int, 
 
 
 @torch.no_grad()
-def evaluate(engine, batches, device: torch.device) -> float:
+def evaluate(engine, batches) -> float:
     """Mean loss over this rank's validation batches, averaged over ranks (forward only). `engine`: the
-    AMSP engine, or a pipeline runner (the losses are on the last stage's ranks)."""
+    AMSP engine (it copies each batch to its device), or a pipeline runner (the losses are on the last
+    stage's ranks). The losses are summed on the device and read once, not once per batch."""
     total, count = 0.0, 0
     if hasattr(engine, "evaluate_batches"):  # a pipeline runner: micro-batches go through the schedule
         total, count = engine.evaluate_batches(batches)
     else:
+        on_device = None
         for x, y in batches:
-            total += engine.evaluate(x.to(device), y.to(device)).item()
+            loss = engine.evaluate(x, y)
+            on_device = loss if on_device is None else on_device + loss
             count += 1
+        total = 0.0 if on_device is None else float(on_device.item())
     total, count = control.all_reduce_sum_floats([total, count])  # CPU values: the control plane
     return total / count if count > 0 else float("nan")
 

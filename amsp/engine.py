@@ -153,6 +153,7 @@ class AMSPEngine:
         self._micro_state: dict | None = None  # per backward: last flag, unit pipeline
         self._accumulating = False  # a micro-batch has run since the last step()
         self._synced_last = False
+        self._released = False  # release() gave the memory back: a plan switch replaced this engine
         self._spread_queued: list[FlatUnit] = []  # forward order, spread not launched yet
         self._spread_in_flight: list[FlatUnit] = []  # forward order, at most options.spread_window
         self._log_choices()
@@ -416,6 +417,7 @@ class AMSPEngine:
         (unscaled, detached) mean loss of this micro-batch on this rank."""
         if not 0 <= micro_index < num_micro:
             raise ValueError(f"micro_index {micro_index} outside [0, {num_micro})")
+        self._check_live()
         if self._synced_last:
             raise RuntimeError("AMSP: the last micro-batch already ran; call step() before the next one")
         if self._pipeline is not None:
@@ -425,7 +427,7 @@ class AMSPEngine:
         self._micro_state = self._new_micro_state(last, self.units)
         try:
             with self.parts.loss_context():
-                loss = self.model(tokens.to(self.device), targets.to(self.device))
+                loss = self.model(to_device(tokens, self.device), to_device(targets, self.device))
                 # Each rank's micro-batch mean, scaled so the sum over ranks and micro-batches is the
                 # mean over the global batch.
                 (loss * (1.0 / (num_micro * self.topo.world))).backward()
@@ -443,6 +445,7 @@ class AMSPEngine:
         1 / (num_micro * data-parallel size)."""
         if num_micro < 1:
             raise ValueError(f"num_micro must be >= 1, got {num_micro}")
+        self._check_live()
         if self._pipeline is not None or self._accumulating:
             raise RuntimeError("AMSP: begin_microbatches() in the middle of a step")
         self._pipeline = {"expected": num_micro, "seen": {}, "states": {}}
@@ -496,9 +499,26 @@ class AMSPEngine:
         if self._accumulating:
             raise RuntimeError("AMSP: evaluate() in the middle of a step; call it after step()")
         with self.parts.loss_context():
-            loss = self.model(tokens.to(self.device), targets.to(self.device))
+            loss = self.model(to_device(tokens, self.device), to_device(targets, self.device))
         self.comm.close_step()  # validation traffic is not part of a training step
         return _plain(loss.detach())
+
+    def release(self) -> None:
+        """Give back this engine's device memory now, whoever still references it: every unit's shards,
+        gathered weights, gradient buffers and optimizer states. A plan switch (amsp/replan_switch.py)
+        calls it before building the next engine, which would otherwise be allocated beside this one
+        (two sets of model states: a plan near the memory limit fails there). Completes the pending
+        spreads first, so no collective writes into freed memory; the engine cannot be used after."""
+        if self._accumulating:
+            raise RuntimeError("AMSP: release() in the middle of a step; call it after step()")
+        self.finish_spread()
+        for u in self.units:
+            u.release()
+        self._released = True
+
+    def _check_live(self) -> None:
+        if self._released:
+            raise RuntimeError("AMSP: this engine was released (a plan switch replaced it); use the new engine")
 
     def comm_stats(self) -> CommStats:
         """Communication of the last completed step (bytes booked at launch, blocked wait time)."""
@@ -548,6 +568,25 @@ class AMSPEngine:
         self._start_spread()
         self.finish_spread()
         self.comm.close_step()  # loading traffic is not part of a training step
+
+
+_pageable_warned = False
+
+
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch tensor (tokens or targets) on `device`, copied without blocking the host. A blocking copy
+    to a GPU waits for the stream, twice per micro-batch, so the host could not queue the next kernels
+    while the previous ones ran, serialising the overlap the engine builds. From page-locked memory
+    (data/loader.py pins for CUDA) the copy is queued on the current stream, and torch's pinned allocator
+    keeps the source block until that copy has run; nothing writes into a batch once the loader hands it
+    out. From pageable memory CUDA stages the data before the call returns (correct, but the host may
+    wait on the DMA): said once, since it means the batches bypassed the loader's pinning."""
+    global _pageable_warned
+    if device.type == "cuda" and batch.device.type == "cpu" and not _pageable_warned and not batch.is_pinned():
+        _pageable_warned = True
+        log.warning("AMSP: input batches arrive in pageable memory; their copy to %s cannot overlap GPU work "
+                    "(data/loader.py MicroBatchLoader(pin_device=...) hands out pinned ones)", device)
+    return batch.to(device, non_blocking=True)
 
 
 def _plain(loss: torch.Tensor) -> torch.Tensor:

@@ -137,6 +137,16 @@ class FlatUnit:
         master = 0 if self.master_is_weights else b(self.master)  # else counted in p
         return {"p": b(self.p_shard), "g": b(self.g_shard), "os": master + b(self.exp_avg) + b(self.exp_avg_sq)}
 
+    def release(self) -> None:
+        """Free the memory of every tensor this unit owns (its storages shrink to nothing, so views that
+        others still hold, the model's parameters and the optimizer's splits, no longer pin it). The unit
+        is unusable afterwards. No collective may be in flight into these buffers."""
+        for t in (self.p_shard, self.g_shard, self.master, self.exp_avg, self.exp_avg_sq, self.full, self._flat,
+                  self.os_grad):
+            if t is not None:
+                t.untyped_storage().resize_(0)
+        self._flat, self.os_grad, self.gathered = None, None, False
+
     # ---- P gather / free ----
     def start_gather(self, phase: str) -> None:
         if self.gathered or self._gather is not None:

@@ -183,8 +183,18 @@ class Replanner:
         log.info("planner: switching from %s to %s at step %d through checkpoint %s", engine.plan, new_plan, step,
                  path)
         old = engine.plan
-        del engine  # the caller's reference still holds it until the new engine replaces it
-        new = build(new_plan)
+        # The old engine's memory goes back before the new one is allocated (the caller, its pipeline
+        # runner and the NaN injector still reference it): both at once would need two sets of model
+        # states, and a plan near the device's memory would fail at the switch. The checkpoint just
+        # written holds everything, so a failed build loses nothing.
+        engine.release()
+        del engine
+        try:
+            new = build(new_plan)
+        except Exception as e:
+            raise RuntimeError(f"planner: building the engine for {new_plan} at the plan switch failed ({e}); the "
+                               f"state of step {step} is in {path}: resume from it (trainer.resume=true) with "
+                               f"the old plan named, {_overrides(old)}") from e
         load(path, new)
         self.plan = new_plan
         if self.denv.rank == 0:
@@ -199,6 +209,47 @@ class Replanner:
         file.write_text(json.dumps(history, indent=2, default=str) + "\n")
 
 
+def plan_after_switch(run_dir: pathlib.Path, topo, world: int):
+    """(plan, why, step switched at) when this run resumes past a plan switch: RUN_DIR/replan.json records one and the
+    latest checkpoint was written at or after it, on as many ranks. The startup re-plans from its prior
+    (the constants the recheck found wrong), so without this a resumed run went back to the plan it had
+    left and paid another recheck window and checkpoint to switch again. None otherwise (also when the
+    recorded plan no longer fits the world's shape: the startup's choice then stands, logged)."""
+    from amsp.checkpoint import STEP_PREFIX
+    from amsp.plan import Degrees, PlanError, make_plan
+
+    try:
+        history = json.loads((run_dir / "replan.json").read_text())
+        name = (run_dir / "checkpoints" / "latest").read_text().strip()
+    except (OSError, ValueError):
+        return None
+    switches = [r for r in history if isinstance(r, dict) and "switched_at_step" in r]
+    if not switches or not name.startswith(STEP_PREFIX):
+        return None
+    last = switches[-1]
+    try:
+        latest_step = int(name[len(STEP_PREFIX):])
+        meta = json.loads((run_dir / "checkpoints" / name / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if latest_step < int(last["switched_at_step"]):
+        return None
+    if meta.get("world_size") != world:
+        log.info("planner: the run switched to %s at step %s on %s ranks; this launch has %d, so the startup's "
+                 "plan stands", last.get("to"), last["switched_at_step"], meta.get("world_size"), world)
+        return None
+    d = last["to_degrees"]
+    try:
+        plan = make_plan("custom", topo.world, topo.ranks_per_node, blocks=Degrees(d["p"], d["g"], d["os"]),
+                         embed_head=Degrees(d["embed_head_p"], d["embed_head_g"], d["embed_head_os"]))
+    except (PlanError, KeyError, TypeError) as e:
+        log.warning("planner: cannot resume the plan switched to at step %s (%s); the startup's plan stands",
+                    last["switched_at_step"], e)
+        return None
+    return plan, (f"the run switched to it at step {last['switched_at_step']} ({last.get('reason', 'recheck')}; "
+                  f"{run_dir / 'replan.json'})"), int(last["switched_at_step"])
+
+
 def _numbers(cost) -> dict:
     return {"plan": str(cost.plan), "step_time_s": cost.step_time_s, "compute_s": cost.compute_s,
             "exposed_s": dict(cost.exposed_s), "memory_bytes": dict(cost.memory), "memory_total": cost.memory_total}
@@ -208,6 +259,10 @@ def _degrees(plan) -> dict:
     """The amsp.* overrides that name `plan` explicitly (to rerun it, or to continue it by hand)."""
     b, e = plan.blocks, plan.embed_head
     return {"p": b.p, "g": b.g, "os": b.os, "embed_head_p": e.p, "embed_head_g": e.g, "embed_head_os": e.os}
+
+
+def _overrides(plan) -> str:
+    return " ".join(f"amsp.{k}={v}" for k, v in _degrees(plan).items())
 
 
 def _pct(x: float | None) -> str:

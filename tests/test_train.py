@@ -58,5 +58,5 @@ def test_validation_runs_without_autograd():
             return torch.tensor(2.0)
 
     eng = Engine()
-    assert evaluate(eng, [(torch.zeros(1), torch.zeros(1))] * 2, torch.device("cpu")) == 2.0
+    assert evaluate(eng, [(torch.zeros(1), torch.zeros(1))] * 2) == 2.0
     assert eng.seen == [False, False]

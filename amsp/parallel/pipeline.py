@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from models.llama.model import lm_loss
 
+from ..engine import to_device
 from ..errors import InputError
 from ..routing_check import data_plane
 from .micro_batches import micro_batch_problem
@@ -183,8 +184,10 @@ class PipelineRunner:
     def _losses(self, fn, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> list[float]:
         """Each micro-batch's mean loss (unscaled) on the last stage's ranks, [] elsewhere."""
         device = self.engine.device
-        x = torch.cat(xs).to(device) if self.first else None
-        y = torch.cat(ys).to(device) if self.last else None
+        # to_device: a non-blocking copy; torch.cat on the CPU makes a pageable tensor, so each micro-batch
+        # (pinned by the loader) is copied and concatenated on the device
+        x = torch.cat([to_device(t, device) for t in xs]) if self.first else None
+        y = torch.cat([to_device(t, device) for t in ys]) if self.last else None
         losses: list = []
         with data_plane(), self.engine.parts.loss_context():  # p2p sends are data-plane traffic
             if self.first:
