@@ -258,10 +258,11 @@ std::tuple<at::Tensor, at::Tensor> swiglu_bwd_cuda(const at::Tensor& dy_in, cons
 
 // ---------------------------------------------------------------- linear + cross-entropy
 // One block per row of a (C, V) logits chunk (already widened to acc_t): loss_row and, when asked,
-// the row's gradient (softmax - onehot) * scale written over the logits.
+// the row's gradient (softmax - onehot) * scale written over the logits. `scale` (1 / the number of
+// non-ignored targets) is read from device memory: the host never waits for it.
 template <typename acc_t>
 __global__ void ce_rows_kernel(acc_t* logits, const int64_t* targets, acc_t* row_loss, int64_t V,
-                               int64_t ignore_index, acc_t scale, bool compute_grad) {
+                               int64_t ignore_index, const acc_t* scale_ptr, bool compute_grad) {
   __shared__ acc_t shared[32];
   const int64_t r = blockIdx.x;
   acc_t* x = logits + r * V;
@@ -273,6 +274,10 @@ __global__ void ce_rows_kernel(acc_t* logits, const int64_t* targets, acc_t* row
     }
     return;
   }
+  // Checked here rather than on the host, which would wait for the GPU at every call: a device-side
+  // assert, as F.cross_entropy's CUDA kernel raises for the same input.
+  CUDA_KERNEL_ASSERT_MSG(t >= 0 && t < V, "amsp_fused::linear_cross_entropy: a target is out of range [0, vocab)");
+  const acc_t scale = *scale_ptr;
   acc_t mx = -INFINITY;
   for (int64_t j = threadIdx.x; j < V; j += blockDim.x) mx = max(mx, x[j]);
   mx = block_max(mx, shared);
@@ -300,15 +305,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_fwd_cuda(
   auto w = w_in.contiguous();
   auto targets = targets_in.to(at::kLong).contiguous();
   const int64_t N = h.size(0), V = w.size(0);
-  auto valid = targets.ne(ignore_index);
-  const bool out_of_range = (valid & (targets.lt(0) | targets.ge(V))).any().item<bool>();
-  TORCH_CHECK(!out_of_range, "amsp_fused::linear_cross_entropy: a target is out of range [0, ", V, ")");
-  const int64_t n_valid = valid.sum().item<int64_t>();
   auto acc_type = at::toOpMathType(h.scalar_type());
   auto grad_h = compute_grad ? at::zeros_like(h) : at::empty({0}, h.options());
   auto grad_w_acc = compute_grad ? at::zeros({V, h.size(1)}, h.options().dtype(acc_type)) : at::empty({0}, h.options());
   auto row_loss = at::zeros({N}, h.options().dtype(acc_type));
-  const double scale = 1.0 / static_cast<double>(n_valid);
+  // 1 / (non-ignored targets) stays on the device (a .item() here was a host sync per call). Rounded
+  // once from double to acc_t, as static_cast<acc_t>(1.0 / n_valid) was; 1 / 0 = inf when every target
+  // is ignored, so the loss is 0 * inf = nan, as F.cross_entropy returns.
+  auto scale = targets.ne(ignore_index).sum().to(at::kDouble).reciprocal().to(acc_type);
   for (int64_t c0 = 0; c0 < N; c0 += chunk) {
     const int64_t C = std::min(N, c0 + chunk) - c0;
     auto hc = h.narrow(0, c0, C);
@@ -316,7 +320,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_fwd_cuda(
     AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "linear_cross_entropy_cuda", [&] {
       ce_rows_kernel<scalar_t><<<C, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
           logits.mutable_data_ptr<scalar_t>(), targets.const_data_ptr<int64_t>() + c0,
-          row_loss.mutable_data_ptr<scalar_t>() + c0, V, ignore_index, static_cast<scalar_t>(scale), compute_grad);
+          row_loss.mutable_data_ptr<scalar_t>() + c0, V, ignore_index, scale.const_data_ptr<scalar_t>(), compute_grad);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
     if (compute_grad) {

@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from .fused_ops import ALL_OPS, AUTO_OPS
+from .fused_ops import ALL_OPS, AUTO_OPS, CUDA_COMPILED_REFERENCE_OPS
 
 log = logging.getLogger(__name__)
 
@@ -109,21 +109,27 @@ def _register() -> None:
 
     def ce_backward(ctx, dloss, _dgh, _dgw):
         # No copies: a scaled copy of grad_w (vocab x dim) next to the saved one would double the
-        # head's gradient memory, which is what this op exists to save. With a unit upstream
-        # gradient (loss.backward()) the saved tensors are returned as they are, so a retained graph
-        # can be differentiated again; any other scale (loss / accum) is applied in place, once.
-        if getattr(ctx, "scaled_in_place", False):
-            raise RuntimeError("fused linear_cross_entropy: a second backward through the same graph with a "
-                               "non-unit upstream gradient is not supported; use model.fused=off for that")
+        # head's gradient memory, which is what this op exists to save. The upstream gradient is applied
+        # in place, always: first asking whether it is 1 (and skipping the multiply) read a device value
+        # on the host, a sync per micro-batch on CUDA; multiplying by 1 changes no value.
         if dloss is None:  # no gradient reached the loss (grads are not materialised: ce_setup)
             return None, None, None, None, None, None
         grad_h, grad_w = ctx.saved_tensors
         if grad_h.numel() == 0:
             raise RuntimeError("amsp_fused::linear_cross_entropy_fwd was called with compute_grad=False "
                                "but a backward was requested")
-        if not bool(dloss == 1):
-            ctx.scaled_in_place = True
-            grad_h, grad_w = grad_h.mul_(dloss), grad_w.mul_(dloss)
+        unit_so_far = getattr(ctx, "unit_so_far", None)
+        # Only a second backward through a retained graph (gradcheck, retain_graph=True) reads this on
+        # the host: the saved gradients still hold the unit-upstream values only if every earlier scale
+        # was 1.
+        if unit_so_far is not None and not bool(unit_so_far):
+            raise RuntimeError("fused linear_cross_entropy: a second backward through the same graph after one "
+                               "with a non-unit upstream gradient is not supported; use model.fused=off for that")
+        ctx.unit_so_far = dloss == 1  # a device tensor: nothing waits for it here
+        # Through .data: scaling by 1 must not bump the saved tensors' version counter, or a retained
+        # graph's second backward (checked above instead) would refuse them as modified in place.
+        grad_h.data.mul_(dloss)
+        grad_w.data.mul_(dloss)
         return grad_h, grad_w, None, None, None, None
 
     torch.library.register_autograd(f"{lib}::linear_cross_entropy_fwd", ce_backward, setup_context=ce_setup)
@@ -183,19 +189,30 @@ def resolve_fused(requested: str) -> frozenset[str]:
 
 
 def ops_running(requested: str, device: torch.device | str) -> frozenset[str]:
-    """The fused ops a model built with `model.fused=requested` runs natively on `device` (elsewhere the
-    eager references run): the planner prices what autograd keeps for the kernels that run (the fused
-    linear + cross-entropy keeps d/dW where the eager head keeps logits; the fused RMSNorm and SwiGLU
-    keep fewer tensors than their references)."""
+    """The fused ops a model built with `model.fused=requested` runs natively on `device` in eager code
+    (elsewhere the eager references run): the planner prices what autograd keeps for the kernels that run
+    (the fused linear + cross-entropy keeps d/dW where the eager head keeps logits; the fused RMSNorm and
+    SwiGLU keep fewer tensors than their references). Inside compiled blocks on CUDA the ops in
+    CUDA_COMPILED_REFERENCE_OPS trace their references instead (kernel_runs), which the planner prices as
+    the kernels (Kernels.compiled: a compiled block keeps what the kernels keep)."""
     chosen = resolve_fused(requested)
-    kind = torch.device(device).type
-    if kind == "cpu":
-        return chosen
-    if kind == "cuda":
+    return frozenset(op for op in chosen if kernel_runs(op, torch.device(device).type, compiling=False))
+
+
+def kernel_runs(op: str, device_type: str, compiling: bool) -> bool:
+    """Whether a fused op the model chose calls its native kernel for tensors on `device_type` ("meta"
+    counts as CPU), `compiling` inside a region torch.compile traces; otherwise its eager reference runs.
+    CPU: always (once the extension is loaded). CUDA: where csrc/fused_cuda.cu was built, except the ops
+    of CUDA_COMPILED_REFERENCE_OPS inside compiled code (models/llama/fused_ops.py says why)."""
+    if device_type in ("cpu", "meta"):
+        return True
+    if device_type == "cuda":
+        if compiling and op in CUDA_COMPILED_REFERENCE_OPS:
+            return False
         from csrc.loader import CUDA_EXTENSION
 
-        return chosen if CUDA_EXTENSION.lib is not None else frozenset()
-    return frozenset()
+        return CUDA_EXTENSION.lib is not None
+    return False
 
 
 def announce_device(device: torch.device | str) -> None:
@@ -208,22 +225,25 @@ def announce_device(device: torch.device | str) -> None:
         if CUDA_EXTENSION.lib is None:
             _log_once("fused ops on cuda: no kernel in this build; the eager references run instead")
         else:
-            _log_once("fused ops on cuda: native kernels (csrc/fused_cuda.cu)")
+            _log_once("fused ops on cuda: native kernels (csrc/fused_cuda.cu) in eager code; inside compiled "
+                      "blocks %s trace their eager references for inductor to fuse (models/llama/fused_ops.py)",
+                      ", ".join(CUDA_COMPILED_REFERENCE_OPS))
     elif kind != "cpu":
         _log_once("fused ops on %s: no kernel for this device; the eager references run instead", kind)
 
 
 def _native_ok(op: str, *tensors: torch.Tensor) -> bool:
-    # CPU kernels always exist once loaded; CUDA ones only where csrc/fused_cuda.cu was built. A
-    # tensor on a device without kernels takes the reference, said once per op.
+    # Per call, from the tensors' device (kernel_runs). Under torch.compile this runs while dynamo traces,
+    # so the branch taken decides what the compiled graph contains.
     devices = {t.device.type for t in tensors}
+    compiling = torch.compiler.is_compiling()
     if devices <= {"cpu", "meta"}:
-        return True
+        return kernel_runs(op, "cpu", compiling)
     if devices <= {"cuda", "meta"}:
-        from csrc.loader import CUDA_EXTENSION
-
-        if CUDA_EXTENSION.lib is not None:
+        if kernel_runs(op, "cuda", compiling):
             return True
+        if compiling and op in CUDA_COMPILED_REFERENCE_OPS:
+            return False  # by design, not a missing kernel (announce_device logged it before compiling)
     _log_once("fused %s: no kernel for device %s in this build; using the eager reference", op,
               tensors[0].device.type)
     return False

@@ -14,3 +14,28 @@ AUTO_OPS: dict[str, str] = {
     "swiglu": "1.27x time, 2.00x memory",
     "linear_cross_entropy": "1.24x time, 4.82x memory",
 }
+
+# On CUDA (csrc/fused_cuda.cu) no kernel has been timed yet (pending: bench_fused.py measures on CPU
+# only; BENCHMARKS.md "GPU path"), so the CPU table above carries over on its memory column alone, which
+# does not depend on the device (autograd keeps the same tensors), with one exception: inside a
+# torch.compile'd region on CUDA (model.compile, on by default there: the transformer blocks) the ops
+# below trace their eager references instead of calling the kernels, whatever model.fused says. There
+# inductor generates fused code for the references and its partitioner keeps what the kernels keep (the
+# planner prices compiled blocks so: amsp/planner/workload.py Workload.runs_fused), while a custom op is
+# an opaque call that blocks inductor's fusion with its neighbours. The same ops outside compiled code
+# (eager blocks: model.compile=off, tp > 1 or pp > 1; the head's norm) call the kernels. The fused
+# linear + cross-entropy is never inside a compiled block (the head runs eagerly) and keeps its kernel for
+# memory: the eager head keeps fp32 log-probabilities (4 B x tokens x vocab) and its backward peaks at
+# about 12 B x tokens x vocab, where the CUDA kernel's forward peaks at about 6 B x vocab x dim in bf16
+# (its fp32 d/dW accumulator beside one chunk's bf16 d/dW product, or beside the bf16 d/dW it keeps) plus
+# a chunk of logits: 1.5 GiB against 0.8 GiB for llama2_7b (vocab 32000, dim 4096) at 4096 tokens per
+# micro-batch, and the gap grows with the tokens per micro-batch (counted from the code, not measured).
+# Its GPU time is unmeasured and at risk: in bf16 each of its tokens x vocab / 2^23 chunks adds a vocab x
+# dim product into the fp32 accumulator, about 12 B x vocab x dim of memory traffic per chunk (llama2_7b,
+# 4096 tokens: 16 chunks, ~25 GB, ~8 ms per micro-batch at H100 bandwidth; a micro-batch takes ~143 ms at
+# the measured 28.6k tokens/s).
+CUDA_COMPILED_REFERENCE_OPS: dict[str, str] = {
+    "rms_norm": "inductor fuses the reference with the residual add before it",
+    "rope": "inductor fuses the reference's complex product with the neighbouring element-wise code",
+    "swiglu": "inductor fuses silu(a) * b into one kernel and recomputes silu in the backward",
+}

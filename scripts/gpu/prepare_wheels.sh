@@ -2,6 +2,8 @@
 # Downloads into .whl/ (git-ignored) the wheels a GPU machine without package-registry access needs
 # beyond its image (torch, transformers, triton, sentencepiece, safetensors, pytest, hypothesis, numpy,
 # pyarrow, xxhash, ... are there; see DESIGN.md section 5), for CPython 3.12 on manylinux x86-64.
+# zstandard (a core dependency: .jsonl.zst corpora, data/sources.py) is the one binary wheel among them:
+# without it tests/data/test_data_prep.py fails to import and the GPU check's test part fails.
 # Run it on a machine that reaches the registry, from anywhere in the repository:
 #
 #     bash scripts/gpu/prepare_wheels.sh
@@ -25,9 +27,9 @@ LIMIT_MIB=40  # the device tool carries at most 64 MiB with the working tree; ke
 # name (as pip knows it) and the version used when the venv has none
 declare -A FALLBACK=(
   [hydra-core]=1.3.2 [omegaconf]=2.3.0 [PuLP]=3.3.2
-  [datasets]=5.2.0 [dill]=0.4.1 [multiprocess]=0.70.19
+  [datasets]=5.2.0 [dill]=0.4.1 [multiprocess]=0.70.19 [zstandard]=0.25.0
 )
-ORDER=(hydra-core omegaconf PuLP datasets dill multiprocess)
+ORDER=(hydra-core omegaconf PuLP datasets dill multiprocess zstandard)
 ANTLR=antlr4-python3-runtime==4.9.3  # omegaconf/hydra pin 4.9.*; PyPI has only its sdist: built here
 
 version_of() {
