@@ -49,7 +49,7 @@ from models.llama.dcp_safe import SafeFileSystemReader
 
 from . import control
 from .checkpoint_verify import (VERIFIED, ChecksumMixin, CheckpointDamaged, CheckpointMismatch, InputError, NonFiniteCheckpoint,
-                                RunDirLock, VerifyingReader, VerifyingWriter, all_finite, read_manifests,
+                                RunDirLock, VerifyingReader, VerifyingWriter, all_finite, byte_view, read_manifests,
                                 fsync_path, save_failure, unwrap)
 from .errors import FaultError, RunError
 
@@ -124,8 +124,11 @@ def _own_storage_alias(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0 \
             or t.untyped_storage().nbytes() == t.nbytes:
         return t
-    raw = t.reshape(-1).view(torch.uint8).numpy()  # numpy has no bfloat16: alias the bytes
-    return torch.frombuffer(memoryview(raw), dtype=torch.uint8).view(t.dtype).reshape(t.shape)
+    # The bytes aliased without Tensor.numpy() (checkpoint_verify.byte_view says why); the alias keeps
+    # the fragment alive, whose memory it reads.
+    alias = torch.frombuffer(byte_view(t), dtype=torch.uint8).view(t.dtype).reshape(t.shape)
+    alias._amsp_source = t
+    return alias
 
 
 class _FragmentLoadPlanner(DefaultLoadPlanner):

@@ -14,6 +14,7 @@ problem is a CheckpointDamaged naming the file and what is wrong with it.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import io
 import json
@@ -61,6 +62,19 @@ def digest_bytes(buf) -> int:
     return xxhash.xxh3_64_intdigest(buf)
 
 
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a memoryview of its memory, valid while `t` lives.
+    Not through Tensor.numpy(), which marks the tensor's storage non-resizable for good: the engine
+    resizes its flat buffers' storages (AMSPEngine.release gives a switched-away engine's memory back),
+    and a checkpoint's save or checksum would have pinned every one it touched."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"byte_view needs a contiguous CPU tensor, got {t.device} contiguous={t.is_contiguous()}")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_uint8 * n).from_address(t.data_ptr())).cast("B")
+
+
 def digest(t: torch.Tensor) -> int:
     """digest_bytes of a CPU tensor's bytes (made contiguous)."""
     t = t.detach()
@@ -68,7 +82,7 @@ def digest(t: torch.Tensor) -> int:
         t = t.contiguous()
     if t.numel() == 0:
         return 0
-    return digest_bytes(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return digest_bytes(byte_view(t))
 
 
 def chunk_key(fqn: str, offsets) -> str:

@@ -512,8 +512,11 @@ class AMSPEngine:
         if self._accumulating:
             raise RuntimeError("AMSP: release() in the middle of a step; call it after step()")
         self.finish_spread()
-        for u in self.units:
-            u.release()
+        kept = sum(u.release() for u in self.units)
+        if kept:
+            log.warning("AMSP: %.1f MiB of the released engine's buffers cannot shrink (non-resizable storages: "
+                        "something exposed them through Tensor.numpy()); they are freed with their last reference",
+                        kept / 2**20)
         self._released = True
 
     def _check_live(self) -> None:

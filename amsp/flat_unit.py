@@ -137,15 +137,24 @@ class FlatUnit:
         master = 0 if self.master_is_weights else b(self.master)  # else counted in p
         return {"p": b(self.p_shard), "g": b(self.g_shard), "os": master + b(self.exp_avg) + b(self.exp_avg_sq)}
 
-    def release(self) -> None:
+    def release(self) -> int:
         """Free the memory of every tensor this unit owns (its storages shrink to nothing, so views that
         others still hold, the model's parameters and the optimizer's splits, no longer pin it). The unit
-        is unusable afterwards. No collective may be in flight into these buffers."""
+        is unusable afterwards. No collective may be in flight into these buffers. Returns the bytes of
+        storages that cannot shrink (a storage some code exposed through Tensor.numpy() is marked
+        non-resizable by torch): those are freed only with their last reference."""
+        kept = 0
         for t in (self.p_shard, self.g_shard, self.master, self.exp_avg, self.exp_avg_sq, self.full, self._flat,
                   self.os_grad):
-            if t is not None:
-                t.untyped_storage().resize_(0)
+            if t is None:
+                continue
+            storage = t.untyped_storage()
+            if storage.resizable():
+                storage.resize_(0)
+            else:
+                kept += storage.nbytes()
         self._flat, self.os_grad, self.gathered = None, None, False
+        return kept
 
     # ---- P gather / free ----
     def start_gather(self, phase: str) -> None:

@@ -35,6 +35,27 @@ def test_release_gives_the_engine_memory_back_while_references_remain():
         eng.forward_backward(x[:, :-1], x[:, 1:], 0, 1)
 
 
+def test_a_checkpoint_save_leaves_the_engine_buffers_releasable():
+    """A switch releases right after saving a checkpoint, whose writer aliases each fragment's bytes and
+    whose checksum hashes them. Through Tensor.numpy() both marked the flat buffers' storages
+    non-resizable for good, and the release failed ("Trying to resize storage that is not resizable",
+    the first switch on the emulated cluster)."""
+    from amsp.checkpoint import _own_storage_alias
+    from amsp.checkpoint_verify import digest
+
+    cfg = get_preset("debug")
+    eng = AMSPEngine(cfg, Plan(Degrees(1, 1, 1), Degrees(1, 1, 1)), Topology(1, 1), 0)
+    x = torch.randint(0, cfg.vocab_size, (2, 17))
+    eng.forward_backward(x[:, :-1], x[:, 1:], 0, 1)
+    eng.step(1e-3)
+    for frag in eng.named_fragments():
+        for t in (frag.master, frag.exp_avg, frag.exp_avg_sq):  # what a save writes and hashes
+            alias = _own_storage_alias(t.detach())
+            assert digest(alias) == digest(t.detach().clone())  # the same bytes
+    eng.release()
+    assert _held_bytes(eng) == 0
+
+
 def _run_dir(tmp_path, latest_step: int, world: int, switched_at: int = 4):
     ckpt = tmp_path / "checkpoints"
     name = f"step_{latest_step:08d}"

@@ -20,16 +20,18 @@ def _explicit(degrees: dict) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="whether the refitted gain passes 5% depends on gloo timings of a debug "
-                   "model on the machine; on a shared 2-core host it lands near the threshold")
 def test_wrong_prior_switches_plan_with_the_same_losses(tmp_path):
     run = tmp_path / "replan"
+    # The recheck times the links the startup did not (amsp.planner.recheck_probe, on by default), which
+    # takes up the prior's 10x error, and refits the rest; the refit alone is test_replan.py's.
     proc = train(run, f"trainer.max_steps={STEPS}", "amsp.planner.recheck_steps=3", "amsp.planner.replan=true",
                  *WRONG_PRIOR, nproc=2)
     record = json.loads((run / "replan.json").read_text())[-1]
     assert "planner recheck after 3 steps" in proc.stdout
-    assert record["measured"]["steps"] == 3 and record["refit"]["comm_scale"] > 3, record
-    assert record["switch"], record["reason"]
+    assert record["measured"]["steps"] == 3 and record["links_probed_at_recheck"], record
+    if not record["switch"]:  # only this is left to the host: a failed switch (a crash) fails the test
+        pytest.xfail("whether the refitted gain passes 5% depends on gloo timings of a debug model on the "
+                     f"machine; on a shared 2-core host it lands near the threshold: {record['reason']}")
     k = record["switched_at_step"]
     assert k == 4 and f"switching from {record['from']} to {record['to']} at step {k}" in proc.stdout
     replanned = losses(run)
