@@ -255,7 +255,15 @@ def run(cfg: DictConfig) -> None:
             train_loader.load_state_dict({"consumed_samples": consumed})
 
     tokens_per_step = gbs * seq_len
-    wandb_run = make_wandb(cfg, run_dir, denv.rank, resume_id=wandb_id)
+    # Rank 0 starts wandb; a failure there (not logged in, no network) stops every rank with its one line.
+    wandb_run, problem = None, None
+    try:
+        wandb_run = make_wandb(cfg, run_dir, denv.rank, resume_id=wandb_id)
+    except InputError as e:
+        problem = str(e)
+    problem = control.broadcast_object(problem, src=0) if denv.world_size > 1 else problem
+    if problem:
+        raise InputError(problem)
     # The plan in the run config (degrees, and the planner's prediction) and the planner's ranked table.
     if switched is None:
         log_plan(wandb_run, engine.plan, cfg.amsp.plan, planned)

@@ -115,6 +115,17 @@ class _FragmentSavePlanner(ChecksumMixin, DefaultSavePlanner):
         return self._checksum_resolved(write_item, data) if self.checksum else data
 
 
+def _host_snapshot(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` in host memory: pinned and copied without blocking for a CUDA tensor (the caller
+    synchronises once for all of them), a plain clone for a CPU one."""
+    t = t.detach()
+    if t.device.type != "cuda":
+        return t.clone()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
 def _own_storage_alias(t: torch.Tensor) -> torch.Tensor:
     """A fragment is a view into an engine's flat buffer. DCP's file writer clones every tensor whose
     storage is larger than itself (so that torch.save writes the view, not the buffer) and keeps each
@@ -261,9 +272,15 @@ class CheckpointManager:
             raise error if error is not None else FaultError(f"checkpoint step {step}: rank 0 could not create {tmp}")
         meta = {**meta, "step": step, "format_version": FORMAT_VERSION, "checksums": self.checksums}
         if self.async_save:
-            # Snapshot now; training may change the live tensors while the thread writes.
-            fragments = [dataclasses.replace(f, tensor=f.tensor.detach().clone()) for f in fragments]
-            tensors = {k: v.detach().clone() for k, v in tensors.items()}
+            # Snapshot now; training may change the live tensors while the thread writes. Into host memory
+            # (pinned, so a GPU copies at full speed): a copy on the GPU would hold 12 bytes per optimizer-
+            # shard parameter there until the write ends, memory the planner does not count.
+            on_cuda = any(f.tensor.device.type == "cuda" for f in fragments) or \
+                any(v.device.type == "cuda" for v in tensors.values())
+            fragments = [dataclasses.replace(f, tensor=_host_snapshot(f.tensor)) for f in fragments]
+            tensors = {k: _host_snapshot(v) for k, v in tensors.items()}
+            if on_cuda:
+                torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
             self._pending = threading.Thread(target=self._write_and_publish, name=f"ckpt-save-{step}",
                                              args=(step, tmp, final_dir, fragments, tensors, meta, config_yaml),
                                              daemon=False)
@@ -303,10 +320,7 @@ class CheckpointManager:
                 if final.exists():
                     shutil.rmtree(final)
                 os.replace(tmp, final)
-                pointer_tmp = self.root / ".latest.tmp"
-                pointer_tmp.write_text(final.name + "\n")
-                os.replace(pointer_tmp, self.root / "latest")
-                fsync_path(self.root)
+                self._point_latest_at(final.name)
                 log.info("saved checkpoint step %d to %s", step, final)
                 self._prune()
         except BaseException as e:  # surfaced by wait() in the main thread (or below, synchronously)
@@ -403,6 +417,17 @@ class CheckpointManager:
             raise
         return meta
 
+    def _point_latest_at(self, name: str) -> None:
+        """Replace `latest` atomically, its content on disk before the rename (unsynced, a crash could
+        leave the renamed pointer empty or garbled) and the rename on disk after."""
+        pointer_tmp = self.root / ".latest.tmp"
+        with open(pointer_tmp, "w") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(pointer_tmp, self.root / "latest")
+        fsync_path(self.root)
+
     def load_latest(self, load_fn) -> tuple[Path, dict] | None:
         """Collective. Load the checkpoint `latest` names with load_fn(path) -> meta; when it is
         damaged or missing, fall back to the newest verified older one (a WARNING naming both). None
@@ -413,6 +438,10 @@ class CheckpointManager:
             if not verified:
                 return None  # a fresh run directory
             queue, reason = verified, f"{pointer} is missing"
+        elif not (name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX):].isdigit()):
+            # garbled (a crash between writing the pointer and its rename reaching the disk): no step to
+            # compare with, so every verified checkpoint is a candidate, newest first
+            queue, reason = verified, f"{pointer} holds {name[:40]!r}, not a checkpoint name"
         else:
             first, older = self.root / name, [p for p in verified if p.name < name]
             if first.is_dir():
@@ -442,12 +471,13 @@ class CheckpointManager:
             for n in damaged:
                 src = self.root / n
                 if src.exists():
-                    os.replace(src, self.root / f"damaged-{n}")
-                    log.warning("moved damaged checkpoint %s to %s", src, self.root / f"damaged-{n}")
-            pointer_tmp = self.root / ".latest.tmp"
-            pointer_tmp.write_text(good.name + "\n")
-            os.replace(pointer_tmp, self.root / "latest")
-            fsync_path(self.root)
+                    dst, k = self.root / f"damaged-{n}", 1
+                    while dst.exists():  # the same step damaged again after a rewrite: keep both for inspection
+                        k += 1
+                        dst = self.root / f"damaged-{n}.{k}"
+                    os.replace(src, dst)
+                    log.warning("moved damaged checkpoint %s to %s", src, dst)
+            self._point_latest_at(good.name)
         control.barrier()
 
 

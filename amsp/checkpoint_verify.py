@@ -294,16 +294,32 @@ def save_failure(step: int, tmp: Path, exc: BaseException) -> BaseException:
 
 # ---- one run per run directory ----
 class RunDirLock:
-    """RUN/checkpoints/.lock holding "pid host"; a second live run is refused; a lock whose pid is
-    dead on this host is stale and taken over."""
+    """RUN/checkpoints/.lock holding "pid host [slurm job id, restart count]"; a second live run is
+    refused. A lock is stale and taken over when its pid is dead on this host, or when it was written
+    by an earlier incarnation of this Slurm job (same SLURM_JOB_ID, another SLURM_RESTART_COUNT): a
+    requeued job starts on whichever node Slurm gives it, where the old pid cannot be checked, and a
+    killed run (time limit, OOM, node failure, a fault exit through os._exit) never removed its lock,
+    so the requeue was refused with exit 2 and the job stopped for good."""
 
     def __init__(self, root: Path):
         self.path = root / ".lock"
         self.held = False
 
+    @staticmethod
+    def _me() -> str:
+        job, restart = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_RESTART_COUNT", "0")
+        return f"{os.getpid()} {socket.gethostname()}" + (f" slurm:{job}:{restart}" if job else "")
+
+    @staticmethod
+    def _earlier_incarnation(holder_job: str) -> bool:
+        """The holder is this Slurm job before a requeue."""
+        job, restart = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_RESTART_COUNT", "0")
+        parts = holder_job.split(":")
+        return bool(job) and len(parts) == 3 and parts[0] == "slurm" and parts[1] == job and parts[2] != restart
+
     def acquire(self) -> str | None:
         """None when taken; otherwise a warning about a stale lock taken over (returned as text)."""
-        me = f"{os.getpid()} {socket.gethostname()}"
+        me = self._me()
         note = None
         for _ in range(2):
             try:
@@ -313,12 +329,17 @@ class RunDirLock:
                     holder = self.path.read_text().strip()
                 except FileNotFoundError:
                     continue
-                pid_s, _, host = holder.partition(" ")
+                pid_s, host, job = (holder.split(" ") + ["", ""])[:3]
                 if holder == me:
                     self.held = True
                     return note
                 if host == socket.gethostname() and pid_s.isdigit() and not _alive(int(pid_s)):
-                    note = (f"removing stale lock {self.path} of pid {pid_s} on {host} (that process is gone)")
+                    note = f"removing stale lock {self.path} of pid {pid_s} on {host} (that process is gone)"
+                    self.path.unlink(missing_ok=True)
+                    continue
+                if self._earlier_incarnation(job):
+                    note = (f"removing stale lock {self.path} of pid {pid_s} on {host}: written by this Slurm "
+                            f"job before its requeue ({job})")
                     self.path.unlink(missing_ok=True)
                     continue
                 raise RunDirInUse(f"run directory {self.path.parent.parent} is in use by pid {pid_s} on host "
@@ -330,17 +351,29 @@ class RunDirLock:
             with os.fdopen(fd, "w") as f:
                 f.write(me + "\n")
             self.held = True
+            _HELD.add(self)
             return note
         raise RunDirInUse(f"could not take the lock {self.path}; another run is starting in the same directory")
 
     def release(self) -> None:
         if self.held:
             try:
-                if self.path.read_text().strip() == f"{os.getpid()} {socket.gethostname()}":
+                if self.path.read_text().strip() == self._me():
                     self.path.unlink()
             except OSError:
                 pass
             self.held = False
+            _HELD.discard(self)
+
+
+_HELD: set = set()  # the locks this process holds, for release_held_locks
+
+
+def release_held_locks() -> None:
+    """Remove this process's run-directory locks: the fault exits call it before os._exit, which runs no
+    cleanup (a lock left behind refuses the next launch into the run directory on any other host)."""
+    for lock in list(_HELD):
+        lock.release()
 
 
 def _alive(pid: int) -> bool:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import control
+from .checkpoint_verify import release_held_locks
 from .errors import EXIT_FAULT, FaultError
 
 log = logging.getLogger(__name__)
@@ -310,6 +311,7 @@ class Heartbeat:
         for h in logging.getLogger().handlers:
             h.flush()
         print(f"{prefix}fault: {line}", file=sys.stderr, flush=True)
+        release_held_locks()  # os._exit runs no cleanup: a lock left behind refuses the requeue on another node
         os._exit(code)
 
     def _linger(self) -> None:

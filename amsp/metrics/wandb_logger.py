@@ -51,11 +51,19 @@ class WandbLogger:
         run_dir = pathlib.Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self._wandb = wandb
-        self._run = wandb.init(
-            project=project, entity=entity, name=name, tags=list(tags) or None, group=group,
-            config=safe_config, dir=str(run_dir), mode=mode,
-            id=resume_id, resume="allow" if resume_id else None,
-        )
+        try:
+            self._run = wandb.init(
+                project=project, entity=entity, name=name, tags=list(tags) or None, group=group,
+                config=safe_config, dir=str(run_dir), mode=mode,
+                id=resume_id, resume="allow" if resume_id else None,
+            )
+        except Exception as e:  # noqa: BLE001 - wandb raises its own types (UsageError, CommError, ...)
+            from amsp.errors import InputError
+
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise InputError(f"wandb could not start the run in {mode} mode ({type(e).__name__}: {first}); log in "
+                             f"(`wandb login` or WANDB_API_KEY), or set logging.wandb.mode=offline (sync later "
+                             f"with `wandb sync`) or logging.wandb.mode=disabled") from None
         log.info("wandb %s run %s (%s) in %s", mode, self._run.id, "resumed" if resume_id else "new",
                  self._run.dir if mode == "offline" else self._run.url)
 

@@ -47,3 +47,20 @@ def test_checkpoint_round_trip_on_cuda(tmp_path):
         assert abs(resumed[step] - straight[step]) <= REL_TOL * abs(straight[step]), (step, resumed, straight)
     # The tolerance is meaningful: the losses move by far more than it from one step to the next.
     assert min(abs(straight[s] - straight[s - 1]) / abs(straight[s]) for s in range(6, 11)) > 10 * REL_TOL
+
+
+def test_async_snapshot_goes_to_pinned_host_memory():
+    """trainer.async_checkpoint snapshots the optimizer state in host memory, not beside it on the GPU (12
+    bytes per optimizer-shard parameter the planner does not count), with the same bytes."""
+    import torch
+
+    from amsp.checkpoint import _host_snapshot
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    t = torch.randn(1 << 20, device="cuda")
+    before = torch.cuda.memory_allocated()
+    snap = _host_snapshot(t)
+    torch.cuda.current_stream().synchronize()
+    assert snap.device.type == "cpu" and snap.is_pinned() and torch.cuda.memory_allocated() == before
+    assert torch.equal(snap, t.cpu())

@@ -63,6 +63,21 @@ def test_offline_run_logs_resumes_and_never_stores_the_key(tmp_path, monkeypatch
         assert SECRET.encode() not in data, f"API key leaked into {path}"
 
 
+def test_an_online_run_without_credentials_is_one_line_with_the_way_out(tmp_path, monkeypatch):
+    """wandb's own error (a UsageError traceback, exit 1) becomes the project's input error: one line,
+    exit 2, naming offline and disabled."""
+    from amsp.errors import InputError
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc login either
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    with pytest.raises(InputError) as e:
+        WandbLogger(mode="online", run_dir=tmp_path / "run", config={})
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("wandb could not start the run in online mode (")
+    assert "logging.wandb.mode=offline" in msg and "logging.wandb.mode=disabled" in msg
+
+
 def test_disabled_and_non_zero_ranks_do_nothing(tmp_path):
     for kw in ({"mode": "disabled"}, {"mode": "offline", "rank": 1}):
         w = WandbLogger(run_dir=tmp_path, config={}, **kw)

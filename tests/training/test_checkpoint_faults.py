@@ -87,6 +87,27 @@ def fallback(mgr, caplog, problem):
     return warn[0]
 
 
+def test_a_garbled_latest_falls_back_to_the_newest_verified_checkpoint(two, caplog):
+    """A crash between writing the pointer and its reaching the disk left NUL bytes in `latest`: every
+    verified checkpoint is then a candidate (a name comparison with the garbage excluded them all)."""
+    (two.root / "latest").write_bytes(b"\x00" * 16)
+    with caplog.at_level(logging.WARNING, logger="amsp.checkpoint"):
+        path, meta = two.load_latest(loader(two))
+    assert (path.name, meta["step"]) == ("step_00000002", 2)
+    assert any("not a checkpoint name; falling back to the newest verified checkpoint step_00000002"
+               in r.getMessage() for r in caplog.records)
+    assert (two.root / "latest").read_text().strip() == "step_00000002"
+
+
+def test_the_same_step_damaged_twice_is_set_aside_twice(two, caplog):
+    flip_bit(two.root / "step_00000002")
+    fallback(two, caplog, "checkpoint step_00000002 is damaged")
+    save(two, 2, scale=2.0)  # the run goes on and writes step 2 again, which is damaged again
+    flip_bit(two.root / "step_00000002")
+    path, _ = two.load_latest(loader(two))
+    assert path.name == "step_00000001" and (two.root / "damaged-step_00000002.2").is_dir()
+
+
 def test_save_writes_manifest_and_verified_mark(two):
     d = two.root / "step_00000002"
     assert (d / "verified").is_file() and (d / "checksums" / "__0.json").is_file()
@@ -231,6 +252,30 @@ def test_second_live_run_is_refused_and_a_stale_lock_taken_over(tmp_path, caplog
     assert (tmp_path / "checkpoints" / ".lock").read_text().split()[0] == str(os.getpid())
     mgr.close()
     assert not (tmp_path / "checkpoints" / ".lock").exists()
+
+
+def test_a_requeued_slurm_job_takes_over_its_own_lock_from_another_node(tmp_path, monkeypatch, caplog):
+    """A run killed without cleanup (time limit, OOM, node failure, a fault exit) leaves its lock; Slurm
+    requeues the job on another node, where the old pid cannot be checked. The same job id with another
+    restart count is this job's earlier incarnation: its lock is stale. Another job's lock is respected."""
+    from amsp.checkpoint_verify import release_held_locks
+
+    (tmp_path / "checkpoints").mkdir()
+    lock = tmp_path / "checkpoints" / ".lock"
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    lock.write_text("31337 node07 slurm:4242:0\n")  # this job before its requeue, on another node
+    with caplog.at_level(logging.WARNING, logger="amsp.checkpoint"):
+        mgr = CheckpointManager(tmp_path, lock=True)
+    assert any("written by this Slurm job before its requeue (slurm:4242:0)" in r.getMessage() for r in caplog.records)
+    assert lock.read_text().split()[2] == "slurm:4242:1"
+    release_held_locks()  # what the fault exits call before os._exit
+    assert not lock.exists()
+    mgr.close()
+    for other in ("31337 node07 slurm:999:0", "31337 node07 slurm:4242:1", "31337 node07"):
+        lock.write_text(other + "\n")  # another job; this very incarnation elsewhere; no job: all live
+        with pytest.raises(RunDirInUse, match="is in use by pid 31337 on host node07"):
+            CheckpointManager(tmp_path, lock=True)
 
 
 def test_damage_error_is_one_line_naming_the_file(two):
