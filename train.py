@@ -121,6 +121,10 @@ def run(cfg: DictConfig) -> None:
     log_backend_choices(denv)
     set_threads(cfg, denv)
     run_dir = resolve_run_dir(cfg)
+    # The run directory's lock first: a second live run into it is refused before it writes anything
+    # there (its config.yaml replaced the live run's) or builds a model beside it.
+    ckpt = CheckpointManager(run_dir, keep_last=cfg.trainer.keep_last_checkpoints,
+                             async_save=cfg.trainer.async_checkpoint, lock=True)
     resolved = OmegaConf.to_yaml(cfg, resolve=True)
     unwritable = None
     if denv.is_main:
@@ -221,9 +225,7 @@ def run(cfg: DictConfig) -> None:
                             o.decay_steps or cfg.trainer.max_steps)
 
     # Resume: the latest checkpoint of this run directory, whatever plan or world size wrote it.
-    # A damaged checkpoint falls back to the newest verified older one; a second live run is refused.
-    ckpt = CheckpointManager(run_dir, keep_last=cfg.trainer.keep_last_checkpoints,
-                             async_save=cfg.trainer.async_checkpoint, lock=True)
+    # A damaged checkpoint falls back to the newest verified older one.
     start_step, skipped_total, wandb_id = 0, 0, None
 
     def load_checkpoint(path: pathlib.Path) -> dict:

@@ -203,9 +203,9 @@ class CheckpointManager:
                 for stale in self.root.glob(TMP_PREFIX + "*"):
                     log.warning("removing incomplete checkpoint %s (a save was interrupted)", stale)
                     shutil.rmtree(stale, ignore_errors=True)
-            except PermissionError as e:
-                error = InputError(f"cannot write checkpoints to {self.root}: {e.strerror}; set trainer.output_dir "
-                                   f"to a writable directory")
+            except OSError as e:  # no permission, a read-only file system, a file where a folder should be
+                error = InputError(f"cannot write the run directory {self.root.parent} ({e.strerror or e}): set "
+                                   f"trainer.output_dir / trainer.run_name to a writable place")
             except RunError as e:
                 error = e
         # Every rank leaves with the same outcome (rank 0's message, one line each).
@@ -213,7 +213,7 @@ class CheckpointManager:
         if error is not None:
             raise error
         if failed:
-            raise InputError(f"rank 0 could not open {self.root} (see its message)")
+            raise InputError(f"rank 0 cannot write the run directory {self.root.parent}")
 
     def close(self) -> None:
         if self._lock is not None:

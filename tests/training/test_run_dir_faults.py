@@ -47,3 +47,23 @@ def test_read_only_file_system_on_two_ranks(tmp_path):
         assert proc.stderr.count("Traceback (most recent call last)") == 1  # torchrun's own, no worker's
     finally:
         subprocess.run(["umount", str(ro)], check=False)
+
+
+def test_a_second_launch_into_a_live_run_directory_touches_nothing(tmp_path):
+    """The run directory's lock is taken before anything is written: a second launch is refused without
+    replacing the live run's config.yaml (it did, before the lock moved ahead of the startup)."""
+    import socket
+    import sys
+
+    run = tmp_path / "runs" / "r"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("the live run's config\n")
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (run / "checkpoints" / ".lock").write_text(f"{holder.pid} {socket.gethostname()}\n")
+        proc = train(run, check=False)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode != 0 and f"is in use by pid {holder.pid}" in proc.stderr, proc.stderr[-2000:]
+    assert (run / "config.yaml").read_text() == "the live run's config\n"
