@@ -177,7 +177,12 @@ class Replanner:
         ckpt.wait()
         path = ckpt.root / ckpt.step_dir_name(step)
         new_plan, self.pending = self.pending, None
-        if not (path / "meta.json").exists():  # a pretend world or non-finite weights wrote nothing
+        # Rank 0 publishes the checkpoint (its writer's rename; with trainer.async_checkpoint in a thread that
+        # only rank 0's wait() joins), so it alone can tell whether it exists; every rank follows its answer.
+        # Each rank looking for itself, another rank could look before the rename, keep the old engine, and
+        # the two halves of the world hang in different collectives.
+        published = control.decided_by_rank0(lambda: (path / "meta.json").exists(), self.denv.rank)
+        if not published:  # a pretend world or non-finite weights wrote nothing
             log.warning("planner: no checkpoint at step %d to switch plans through; keeping %s", step, engine.plan)
             return engine
         log.info("planner: switching from %s to %s at step %d through checkpoint %s", engine.plan, new_plan, step,

@@ -69,3 +69,20 @@ def test_recheck_times_the_links_the_startup_did_not(tmp_path):
         assert record["links_probed_at_recheck"] is want, record
         assert ("links measured (probe)" in proc.stdout) is want
         assert sorted(losses(run)) == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_switch_at_an_async_periodic_checkpoint_keeps_every_rank_together(tmp_path):
+    """The switch through a periodic checkpoint written in the background: only rank 0 publishes it (in
+    its writer thread), so each rank looking for it itself could disagree, one half of the world keeping
+    the old engine, and the run hung. Rank 0 answers for all: the run switches and ends."""
+    run = tmp_path / "async"
+    proc = train(run, "trainer.max_steps=12", "amsp.planner.recheck_steps=3", "amsp.planner.replan=true",
+                 "trainer.async_checkpoint=true", "trainer.checkpoint_interval=5", "amsp.planner.probe=false",
+                 "cluster.intra_bandwidth_gbs=20", "cluster.intra_latency_us=5", nproc=2, timeout=300)
+    assert "no checkpoint at step" not in proc.stdout + proc.stderr
+    assert sorted(losses(run)) == list(range(1, 13))
+    record = json.loads((run / "replan.json").read_text())[-1]
+    if not record["switch"]:
+        pytest.xfail(f"no switch on this host's timings: {record['reason']}")
+    assert f"switching from {record['from']} to {record['to']} at step 5" in proc.stdout
