@@ -337,6 +337,9 @@ class CheckpointManager:
             return
         steps = sorted(p for p in self.root.glob(STEP_PREFIX + "*") if p.is_dir())
         protected = set(self.verified()[:1])
+        latest = self.latest_name()
+        if latest:  # what `latest` names is what a resume loads, whatever its step number says
+            protected.add(self.root / latest)
 
         def skips(p: Path):  # (total skipped steps, consecutive skipped steps) when it was saved
             try:
@@ -359,6 +362,32 @@ class CheckpointManager:
                          else "the last one before a run of skipped steps")
                 continue
             shutil.rmtree(old, ignore_errors=True)
+
+    def set_aside_all(self, why: str) -> Path | None:
+        """Move every checkpoint and the `latest` pointer into checkpoints/superseded-<UTC time>/ (kept, not
+        deleted): a run that starts over in a directory holding another run's checkpoints (trainer.resume=
+        false) must not mix with them (pruning by step number deleted the new run's checkpoints as the
+        oldest, and a fallback could load the old run's). Collective; returns the folder (rank 0) or None."""
+        import time as _time
+
+        dest = None
+        if _is_main():
+            old = [p for p in self.root.glob(STEP_PREFIX + "*") if p.is_dir()]
+            pointer = self.root / "latest"
+            if old or pointer.exists():
+                stamp, k = f"superseded-{_time.strftime('%Y%m%dT%H%M%SZ', _time.gmtime())}", 1
+                dest = self.root / stamp
+                while dest.exists():  # two fresh starts within a second
+                    k += 1
+                    dest = self.root / f"{stamp}.{k}"
+                dest.mkdir(parents=True)
+                for p in old + ([pointer] if pointer.exists() else []):
+                    os.replace(p, dest / p.name)
+                fsync_path(self.root)
+                log.warning("%s: moved the run directory's %d checkpoint(s) to %s (kept; delete them when no "
+                            "longer needed)", why, len(old), dest)
+        control.barrier()
+        return dest
 
     def wait(self) -> None:
         """Block until a pending asynchronous save is published; re-raise its error."""

@@ -108,6 +108,28 @@ def test_the_same_step_damaged_twice_is_set_aside_twice(two, caplog):
     assert path.name == "step_00000001" and (two.root / "damaged-step_00000002.2").is_dir()
 
 
+def test_pruning_never_deletes_what_latest_names(tmp_path):
+    """A checkpoint with a lower step than others in the directory (a run started over beside an older
+    run's) was pruned as the oldest right after it was published: `latest` then named nothing."""
+    mgr = CheckpointManager(tmp_path, keep_last=1)
+    save(mgr, 8)
+    save(mgr, 2)
+    assert mgr.latest_name() == "step_00000002" and (mgr.root / "step_00000002" / "verified").is_file()
+    path, meta = mgr.load_latest(loader(mgr))
+    assert meta["step"] == 2
+
+
+def test_resume_false_sets_the_old_checkpoints_aside(two):
+    save(two, 4)
+    dest = two.set_aside_all("trainer.resume=false")
+    assert dest.name.startswith("superseded-")
+    assert sorted(p.name for p in dest.iterdir()) == ["latest", "step_00000001", "step_00000002", "step_00000004"]
+    assert not two.verified() and two.latest_name() is None and two.load_latest(loader(two)) is None
+    save(two, 2, scale=3.0)  # the new run's own checkpoints, alone
+    assert [p.name for p in two.verified()] == ["step_00000002"]
+    assert two.set_aside_all("again") is not None and two.set_aside_all("nothing left") is None
+
+
 def test_save_writes_manifest_and_verified_mark(two):
     d = two.root / "step_00000002"
     assert (d / "verified").is_file() and (d / "checksums" / "__0.json").is_file()
