@@ -86,6 +86,19 @@ def set_threads(cfg: DictConfig, denv: DistEnv) -> None:
     torch.set_num_threads(n)
 
 
+def require_kernels(model_cfg) -> None:
+    """The attention and norm kernels the config names exist here (flash_attn, Transformer Engine), checked
+    before anything is measured or built: a missing one is an input error (one line, exit 2), not a
+    traceback from inside the planner's compute measurement."""
+    from models.llama.backends import resolve_attention, resolve_norm
+
+    try:
+        resolve_attention(model_cfg.attention)
+        resolve_norm(model_cfg.norm)
+    except RuntimeError as e:
+        raise InputError(str(e)) from None
+
+
 def make_wandb(cfg: DictConfig, run_dir: pathlib.Path, rank: int, resume_id: str | None) -> WandbLogger:
     w = cfg.logging.wandb
     return WandbLogger(mode=w.mode, run_dir=run_dir, config=OmegaConf.to_container(cfg, resolve=True), rank=rank,
@@ -142,6 +155,7 @@ def run(cfg: DictConfig) -> None:
 
     device, dtype = pick_device_and_dtype(cfg, denv)
     model_cfg = to_llama_config(cfg.model)
+    require_kernels(model_cfg)
     seq_len = cfg.data.seq_len
     if seq_len > model_cfg.max_seq_len:
         raise ValueError(f"data.seq_len={seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}")

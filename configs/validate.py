@@ -251,6 +251,9 @@ def _parallel_problems(cfg: DictConfig) -> list[str]:
         if p.sequence_parallel and _int(seq) and seq % p.tp:
             out.append(f"parallel.sequence_parallel=true is not allowed with data.seq_len={seq}: not divisible "
                        f"by parallel.tp={p.tp} (set parallel.sequence_parallel=false)")
+    if OmegaConf.select(cfg, "model.compile") == "on" and (p.tp > 1 or p.pp > 1):
+        out.append(f"model.compile=on is not allowed with parallel.tp={p.tp}, parallel.pp={p.pp}: compiled blocks "
+                   f"are not measured under model parallelism yet (model.compile=auto compiles only without it)")
     flags = OmegaConf.select(p, "recompute_stages")
     if flags is not None and len(flags) != stages:
         out.append(f"parallel.recompute_stages={list(flags)} is not allowed: expected {stages} flags (pp x "

@@ -59,6 +59,7 @@ def test_bad_value_is_one_line_naming_key_value_and_allowed(key, value, allowed)
     ({"parallel.tp": 2, "data.seq_len": 255}, "set parallel.sequence_parallel=false"),
     ({"parallel.auto": True, "amsp.plan": "zero3"}, "set amsp.plan=auto"),
     ({"parallel.pp": 2, "model.tie_embeddings": True}, "different stages"),
+    ({"parallel.tp": 2, "model.compile": "on"}, "model.compile=on is not allowed with parallel.tp=2"),
     # the joint planner chooses these: a hand-given value was silently replaced at startup
     ({"parallel.auto": True, "parallel.tp": 2, "parallel.schedule": "gpipe"},
      "parallel.tp=2, parallel.schedule='gpipe' not allowed with parallel.auto=true"),

@@ -223,3 +223,16 @@ def test_drop_rows_after_rewrites_only_when_needed(tmp_path, caplog):
     assert rows(path) == [1, 2, 3] and sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]  # no temp file left
     assert [r.getMessage() for r in caplog.records] == [
         f"{path}: dropped 3 row(s) after step 3, the step this run resumes from (they are logged again)"]
+
+
+@pytest.mark.parametrize("override, words", [
+    ("model.attention=flash_attn", "model.attention=flash_attn needs CUDA and the flash_attn package"),
+    ("model.norm=te", "model.norm=te needs CUDA and transformer_engine"),
+])
+def test_a_kernel_missing_here_is_one_line_before_anything_runs(tmp_path, override, words):
+    """A named attention/norm kernel this machine lacks: one line and exit 2 before the planner measures
+    anything (it was a RuntimeError traceback from inside the compute profile, exit 1)."""
+    proc = train(tmp_path / "run", override, "trainer.max_steps=1", check=False)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and lines[-1].startswith("input error: "), proc.stderr[-2000:]
+    assert words in lines[-1] and "Traceback" not in proc.stderr and "compute profile" not in proc.stderr
