@@ -16,6 +16,7 @@ from models.llama.config import LlamaConfig
 from models.llama.model import Llama
 
 from ..engine import ModelParts
+from ..errors import InputError
 from .mesh import ParallelMesh
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,12 @@ def mesh_from_config(cfg, denv) -> ParallelMesh | None:
     tp, pp = int(OmegaConf.select(cfg, "parallel.tp", default=1)), int(OmegaConf.select(cfg, "parallel.pp", default=1))
     if tp == 1 and pp == 1:
         return None
+    if pp > 1 and denv.launcher == "pretend":
+        # torch.distributed.pipelining sends each stage's tensor metadata to the next as pickled objects,
+        # which the fake backend never delivers (the stage then read garbage: an allocation of terabytes)
+        raise InputError(f"parallel.pp={pp} cannot run in a pretend world (AMSP_PRETEND_WORLD): the pipeline's "
+                         f"stages exchange tensor metadata, which the fake backend does not carry; use parallel.pp=1 "
+                         f"there (tensor parallelism and the AMSP plans run)")
     rpn = OmegaConf.select(cfg, "amsp.ranks_per_node") or denv.local_world_size
     mesh = ParallelMesh(denv.world_size, int(rpn), tp=tp, pp=pp)
     if denv.rank == 0:

@@ -207,3 +207,15 @@ def test_pretend_world_runs_train_py_in_one_cpu_process(tmp_path):
     assert val == {2, 4}, val
     # DCP cannot coordinate ranks that do not exist: said, and nothing half-written
     assert "step 4 is not checkpointed" in out and not (run / "checkpoints" / "latest").exists()
+
+
+def test_pretend_world_refuses_pipeline_parallelism_in_one_line(tmp_path):
+    """The pipeline's stages exchange tensor metadata the fake backend never delivers (a stage read garbage
+    and tried to allocate terabytes): refused before any model state exists."""
+    args = [f"trainer.output_dir={tmp_path}", "trainer.run_name=pp", *BASE, "trainer.max_steps=2", "parallel.pp=2",
+            "trainer.micro_batch_size=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "AMSP_PRETEND_WORLD": "4", "AMSP_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 2 and "input error: parallel.pp=2 cannot run in a pretend world" in proc.stderr, \
+        proc.stderr[-3000:]
