@@ -310,7 +310,10 @@ class Heartbeat:
         prefix = f"rank {self.rank}: " if self.rank else ""
         for h in logging.getLogger().handlers:
             h.flush()
-        print(f"{prefix}fault: {line}", file=sys.stderr, flush=True)
+        # One write of the whole line: print() writes the newline separately, and ranks share the terminal,
+        # so another rank's line could land in between (two faults on one line).
+        sys.stderr.write(f"{prefix}fault: {line}\n")
+        sys.stderr.flush()
         release_held_locks()  # os._exit runs no cleanup: a lock left behind refuses the requeue on another node
         os._exit(code)
 
