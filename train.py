@@ -193,7 +193,7 @@ def run(cfg: DictConfig) -> None:
     else:
         plan = plan_from_config(cfg.amsp, topology_from(cfg.amsp, denv) if mesh is None else mesh.dp_topology(denv.rank))
     # After amsp.planner.recheck_steps steps: measured vs predicted, refit, maybe a better plan (amsp/replan_switch.py).
-    replanner = Replanner(cfg, denv, device, planned, plan, run_dir)
+    replanner = Replanner(cfg, denv, device, planned, plan, run_dir, joint=joint is not None)
     # Data first: every problem with files or the tokenizer surfaces before model state exists.
     data = build_data(cfg.data, seq_len=seq_len, seed=cfg.trainer.seed if cfg.data.seed is None else cfg.data.seed,
                       train_samples=cfg.trainer.max_steps * gbs, model_vocab_size=model_cfg.vocab_size)

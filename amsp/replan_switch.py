@@ -36,13 +36,14 @@ _GIB = 2**30
 class Replanner:
     """One recheck per process; rank 0 decides, every rank follows."""
 
-    def __init__(self, cfg, denv, device: torch.device, planned, plan, run_dir: pathlib.Path):
+    def __init__(self, cfg, denv, device: torch.device, planned, plan, run_dir: pathlib.Path, joint: bool = False):
         p = OmegaConf.select(cfg, "amsp.planner")
         self.recheck_steps = int(p.recheck_steps)
         self.replan = bool(p.replan)
         self.cfg, self.denv, self.device, self.run_dir = cfg, denv, torch.device(device), run_dir
         self.planned = planned  # startup.PlanOutcome when the planner chose; None: the user named the plan
-        self.user_named = planned is None
+        self.joint = joint  # a stage's share of the joint planner's plan (parallel.auto): reported, never switched
+        self.user_named = planned is None and not joint
         self.plan = plan
         # On CPU the peak is the process's RSS: what it held before the engine existed is not the model's.
         self.baseline_bytes = current_rss_bytes() if self.device.type == "cpu" else 0
@@ -93,7 +94,7 @@ class Replanner:
         from amsp.planner.startup import ranks_per_node
 
         p = OmegaConf.select(self.cfg, "amsp.planner")
-        if p.probe or not p.recheck_probe or self.user_named or self.denv.world_size < 2:
+        if p.probe or not p.recheck_probe or self.user_named or self.joint or self.denv.world_size < 2:
             return None
         from amsp.planner.probe import probe_points, probe_sizes
         from amsp.topology import Topology
@@ -129,7 +130,7 @@ class Replanner:
         cluster2, options2 = rp.refitted_inputs(cluster, options, fit)
         current = CostModel(workload, cluster2, options2).evaluate(self.plan)
         best = plan_cluster(workload, cluster2, options2, top_k=1, with_presets=False).chosen
-        decision = rp.decide(current, best, self.user_named)
+        decision = rp.decide(current, best, self.user_named, joint=self.joint)
         switch = decision.switch and self.replan
         why = decision.reason if decision.switch == switch else (
             f"{decision.reason}, but amsp.planner.replan=false: report only")

@@ -146,11 +146,16 @@ def refit(workload: Workload, cluster: ClusterSpec, options: Options, plan, meas
     return Refit(compute_scale, comm_scale)
 
 
-def decide(current: PlanCost, best: PlanCost, user_named: bool, min_gain: float = MIN_GAIN) -> Decision:
+def decide(current: PlanCost, best: PlanCost, user_named: bool, min_gain: float = MIN_GAIN,
+           joint: bool = False) -> Decision:
     """Switch when the re-solve's plan is predicted at least min_gain faster than the running one
-    (both priced with the refitted constants) and the plan was the planner's own choice."""
+    (both priced with the refitted constants) and the plan was the AMSP planner's own choice (not the
+    user's, nor one stage's share of a joint plan, which the AMSP re-solve does not re-plan)."""
     same = (best.plan.blocks, best.plan.embed_head) == (current.plan.blocks, current.plan.embed_head)
     gain = 1.0 - best.step_time_s / current.step_time_s if current.step_time_s > 0 else 0.0
+    if joint:
+        return Decision(False, "the plan is the joint planner's (parallel.auto): re-planning switches amsp.plan=auto "
+                               "plans only, so the recheck reports", current, best)
     if user_named:
         return Decision(False, "the plan was named by the user (amsp.plan or explicit degrees): the recheck "
                                "reports only", current, best)

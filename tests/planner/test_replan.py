@@ -100,6 +100,8 @@ def test_decide_needs_five_percent_and_a_planner_plan():
     assert not rp.decide(current, marginal, user_named=False).switch
     named = rp.decide(current, better, user_named=True)
     assert not named.switch and "named by the user" in named.reason
+    joint = rp.decide(current, better, user_named=False, joint=True)  # parallel.auto's plan: reported, not switched
+    assert not joint.switch and "joint planner" in joint.reason and "named by the user" not in joint.reason
     same = rp.decide(current, _priced(0.5, "zero3"), user_named=False)
     assert not same.switch and "still the best" in same.reason
 
