@@ -11,6 +11,7 @@ norm and be skipped (no spread then): the table says when that happened.
 
     AMSP_PRETEND_WORLD=8 python scripts/bench/bench_gpu_memory.py            # on one GPU
     AMSP_PRETEND_WORLD=8 python scripts/bench/bench_gpu_memory.py --plans 1/1/8,8/8/8 --layers 2 --seq 1024
+    AMSP_PRETEND_WORLD=8 python scripts/bench/bench_gpu_memory.py --plans 1/1/8 --compile off,on   # compiled too
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from amsp.compile import apply_compile  # noqa: E402
 from amsp.engine import AMSPEngine, EngineOptions  # noqa: E402
 from amsp.launch import init_distributed  # noqa: E402
 from amsp.plan import Degrees, Plan  # noqa: E402
@@ -51,12 +53,12 @@ def cluster(world: int):
 
 
 def predicted_bytes(cfg, plan: Plan, world: int, seq: int, micro: int, window: int,
-                    param_bytes: int = 2, device: str = "cuda") -> tuple[float, dict]:
+                    param_bytes: int = 2, device: str = "cuda", compiled: bool = False) -> tuple[float, dict]:
     """The cost model's per-rank tensor peak without the reserve (the larger phase; parts by name,
     step_reuse negative), for the kernels the model runs on `device`. Defaults: bf16 weights, fp32
     gradient reduction (the engine on CUDA); scripts/bench/bench_memory_fidelity.py asks for fp32
     weights on CPU."""
-    kernels = kernels_for_model(cfg, device, "bf16" if param_bytes == 2 else "fp32")
+    kernels = kernels_for_model(cfg, device, "bf16" if param_bytes == 2 else "fp32", compiled=compiled)
     w = Workload(cfg, seq, 1, micro, Precision(param_bytes=param_bytes, grad_bytes=4), cfg.activation_checkpointing,
                  kernels=kernels)
     # the engine's default: the spread follows the update (EngineOptions.overlap_spread=False)
@@ -65,7 +67,8 @@ def predicted_bytes(cfg, plan: Plan, world: int, seq: int, micro: int, window: i
     return float(sum(parts.values())), parts
 
 
-def measure(cfg, plan: Plan, world: int, seq: int, micro: int, steps: int, window: int) -> dict:
+def measure(cfg, plan: Plan, world: int, seq: int, micro: int, steps: int, window: int,
+            compiled: bool = False) -> dict:
     device = torch.device("cuda", 0)
     gc.collect()
     torch.cuda.empty_cache()
@@ -74,6 +77,8 @@ def measure(cfg, plan: Plan, world: int, seq: int, micro: int, steps: int, windo
     t0 = time.perf_counter()
     eng = AMSPEngine(cfg, plan, Topology(world, world), rank=0, seed=0, device=device,
                      options=EngineOptions(precision="bf16", spread_window=window))
+    if compiled:  # as train.py's default on CUDA (model.compile=auto): inductor keeps other tensors
+        apply_compile(eng.model, "on", device)
     skipped = 0
     try:
         gen = torch.Generator(device="cpu").manual_seed(0)
@@ -101,6 +106,8 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=2)
     ap.add_argument("--plans", default="1/1/8,2/8/8,8/8/8,1/8/8")
     ap.add_argument("--checkpointing", default="none,full", help="model.activation_checkpointing values")
+    ap.add_argument("--compile", default="off", help="off, on or off,on: blocks compiled as train.py's default on "
+                    "CUDA does (each compiled row adds the compilation's time)")
     ap.add_argument("--out", default=None, help="write the table (markdown) and raw rows (.json) here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -110,16 +117,19 @@ def main() -> None:
     if denv.launcher != "pretend":
         sys.exit("run it as one rank of a pretend world: AMSP_PRETEND_WORLD=N python scripts/bench/bench_gpu_memory.py")
     rows = []
-    for ckpt in args.checkpointing.split(","):
+    for ckpt, comp in [(c, m) for c in args.checkpointing.split(",") for m in args.compile.split(",")]:
+        if comp not in ("on", "off"):
+            sys.exit(f"--compile takes off, on or off,on, got {args.compile!r}")
+        compiled = comp == "on"
         cfg = get_preset(args.preset).with_overrides(n_layers=args.layers, activation_checkpointing=ckpt)
         for text in args.plans.split(","):
             deg = Degrees(*map(int, text.split("/")))
             plan = Plan(deg, deg, name="bench")
-            want, parts = predicted_bytes(cfg, plan, world, args.seq, args.micro, args.window)
-            row = {"plan": text, "checkpointing": ckpt, "predicted_gib": want / GIB,
+            want, parts = predicted_bytes(cfg, plan, world, args.seq, args.micro, args.window, compiled=compiled)
+            row = {"plan": text, "checkpointing": ckpt, "compiled": compiled, "predicted_gib": want / GIB,
                    "parts_gib": {k: round(v / GIB, 3) for k, v in parts.items()}}
             try:
-                got = measure(cfg, plan, world, args.seq, args.micro, args.steps, args.window)
+                got = measure(cfg, plan, world, args.seq, args.micro, args.steps, args.window, compiled)
                 row.update(measured_gib=got["peak"] / GIB, skipped_steps=got["skipped"],
                            error_pct=100 * (want - got["peak"]) / got["peak"], seconds=got["seconds"])
             except torch.OutOfMemoryError as e:
@@ -128,14 +138,15 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     lines = [f"{args.preset} x {args.layers} layers, seq {args.seq}, {args.micro} micro-batches of 1, rank 0 of a "
              f"pretend world of {world}, bf16, spread window {args.window}, {torch.cuda.get_device_name()}",
-             "", "| plan | checkpointing | predicted GiB (no reserve) | measured peak GiB | prediction error | "
-             "skipped steps |", "|---|---|---:|---:|---:|---:|"]
+             "", "| plan | checkpointing | compiled | predicted GiB (no reserve) | measured peak GiB | "
+             "prediction error | skipped steps |", "|---|---|---|---:|---:|---:|---:|"]
     for r in rows:
         if r.get("measured_gib") is None:
-            lines.append(f"| {r['plan']} | {r['checkpointing']} | {r['predicted_gib']:.2f} | {r['error']} | | |")
+            lines.append(f"| {r['plan']} | {r['checkpointing']} | {r['compiled']} | {r['predicted_gib']:.2f} | "
+                         f"{r['error']} | | |")
         else:
-            lines.append(f"| {r['plan']} | {r['checkpointing']} | {r['predicted_gib']:.2f} | {r['measured_gib']:.2f} "
-                         f"| {r['error_pct']:+.1f}% | {r['skipped_steps']} |")
+            lines.append(f"| {r['plan']} | {r['checkpointing']} | {r['compiled']} | {r['predicted_gib']:.2f} | "
+                         f"{r['measured_gib']:.2f} | {r['error_pct']:+.1f}% | {r['skipped_steps']} |")
     table = "\n".join(lines)
     print(table)
     if args.out:

@@ -16,7 +16,8 @@
 # GPU_TESTS_TIMEOUT_S (default 360 beside the benchmark, else all the budget left), BENCH_ARGS (extra
 # arguments for the benchmark, e.g. "--rounds 1"), GPU_CHECK_PARTS (default
 # "tests,bench"; "memory" runs scripts/bench/bench_gpu_memory.py instead: measured peak memory against
-# the planner's prediction for several plans as rank 0 of a pretend world of 8, into gpu_memory.md —
+# the planner's prediction for several plans as rank 0 of a pretend world of 8, into gpu_memory.md, with
+# MEMORY_ARGS passed on, e.g. "--compile off,on" for compiled blocks too —
 # a call of its own, since one device call brings back at most 8 files).
 #
 # Time on a fresh machine: the gpu tests build the CPU extension (g++) and the CUDA kernels (nvcc) on first
@@ -83,8 +84,9 @@ fi
 
 # ---- 4. planner memory against measured peaks (its own call: GPU_CHECK_PARTS=memory)
 if [[ $PARTS == *,memory,* ]]; then
+  # shellcheck disable=SC2086  # MEMORY_ARGS is a list of arguments (e.g. "--compile off,on --plans 1/1/8")
   run_part memory $((BUDGET - (SECONDS - START) - 15)) env AMSP_PRETEND_WORLD=8 "$PY" \
-    scripts/bench/bench_gpu_memory.py --out "$RESULTS/gpu_memory"
+    scripts/bench/bench_gpu_memory.py --out "$RESULTS/gpu_memory" ${MEMORY_ARGS:-}
 fi
 
 # ---- 5. benchmark with the time that is left (the script stops starting rounds before its budget)
