@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from models.llama import fused
 from models.llama.config import LlamaConfig
 from models.llama.model import IGNORE_INDEX, lm_loss, rope_tables
+from tests.csrc.test_fused_device_choice import _traced_targets  # the graph targets dynamo traced
 from tests.training.runs import ROOT
 
 pytestmark = pytest.mark.gpu
@@ -105,17 +106,6 @@ def test_out_of_range_target_is_a_device_side_assert():
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode != 0 and "NO ERROR" not in proc.stdout, proc.stdout + proc.stderr[-2000:]
     assert "device-side assert" in proc.stderr or "out of range" in proc.stderr, proc.stderr[-2000:]
-
-
-def _traced_targets(fn, *args) -> list[str]:
-    seen: list[str] = []
-
-    def backend(gm, example_inputs):
-        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    return seen
 
 
 def test_compiled_code_on_cuda_traces_the_block_references_and_keeps_the_loss_kernel(cuda_ext):
