@@ -19,7 +19,8 @@ def _explicit(degrees: dict) -> list[str]:
     return [f"amsp.{k}={v}" for k, v in degrees.items()]
 
 
-@pytest.mark.slow
+# Not marked slow (about 20 s): the switch run end to end found crashes (a checkpoint pinning the buffers
+# the switch frees; ranks disagreeing on an asynchronous checkpoint) that the unit tests of its parts missed.
 def test_wrong_prior_switches_plan_with_the_same_losses(tmp_path):
     run = tmp_path / "replan"
     # The recheck times the links the startup did not (amsp.planner.recheck_probe, on by default), which
@@ -71,7 +72,6 @@ def test_recheck_times_the_links_the_startup_did_not(tmp_path):
         assert sorted(losses(run)) == [1, 2, 3, 4]
 
 
-@pytest.mark.slow
 def test_switch_at_an_async_periodic_checkpoint_keeps_every_rank_together(tmp_path):
     """The switch through a periodic checkpoint written in the background: only rank 0 publishes it (in
     its writer thread), so each rank looking for it itself could disagree, one half of the world keeping
