@@ -124,12 +124,14 @@ def measured_profiles(cfg: DictConfig, denv, device, groups: list[str] | None) -
                                   p.probe_cache, cores_shared=cores_shared(device, denv))
 
 
-def measured_tp_units(cfg: DictConfig, model, denv, device, groups: list[str] | None = None) -> dict:
+def measured_tp_units(cfg: DictConfig, model, denv, device, groups: list[str] | None = None,
+                      tps: list[int] | None = None) -> dict:
     """{(None, tp): (block, head, embedding) seconds} for every tp the joint planner may pick on this run's
     nodes, timed on real TP groups (amsp/parallel/tp_profile.py; the slowest rank's), or read from the
     cache a run of the same shape on the same machine and world wrote (beside the compute profile's;
     amsp.planner.probe_cache=false measures again). groups (a mixed cluster's node group of every rank):
-    {(group, tp): ...}, each group the median of its own ranks' times. Collective; {} on one rank."""
+    {(group, tp): ...}, each group the median of its own ranks' times. tps: only these degrees (a run
+    that names its tp needs no other). Collective; {} on one rank."""
     import torch
     import torch.distributed as dist
 
@@ -153,7 +155,8 @@ def measured_tp_units(cfg: DictConfig, model, denv, device, groups: list[str] | 
     cache = pathlib.Path(p.cache_dir) if p.cache_dir else default_cache_dir()  # as the compute profile
     field = "times" if groups is None else "times_by_group"
     out = {}
-    for tp in tp_candidates(model, ranks_per_node(cfg, denv.local_world_size), seq)[1:]:  # tp 1: the profile
+    candidates = tp_candidates(model, ranks_per_node(cfg, denv.local_world_size), seq)[1:]  # tp 1: the profile
+    for tp in [t for t in candidates if tps is None or t in tps]:
         # sequence and loss parallelism on, as the run applies them
         path = cache / f"tp{tp}-v{TP_PROFILE_VERSION}-{key}.json"
         cached = read_shared(path, field, p.probe_cache, denv.rank, denv.world_size > 1, "tensor-parallel profile")

@@ -24,13 +24,14 @@ def planner_config(cfg: DictConfig) -> DictConfig:
     return node if node is not None else OmegaConf.structured(PlannerConfig)
 
 
-def with_model_parallel(cfg: DictConfig) -> DictConfig:
+def with_model_parallel(cfg: DictConfig, what_if: bool = True) -> DictConfig:
     """The config with the AMSP planner's tp / pp taken from parallel.tp / parallel.pp, as a training run
     plans (its DP group under those degrees): train.py's startup and the CLI price the same thing.
-    amsp.planner.tp / pp stay for what-ifs when parallel.* is left at 1; the two may not contradict."""
+    amsp.planner.tp / pp stay for the CLI's what-ifs (what_if) when parallel.* is left at 1; a training
+    run (what_if=False) plans under parallel.* only. The two may not contradict."""
     p = planner_config(cfg)
     tp, pp = (int(OmegaConf.select(cfg, f"parallel.{k}", default=1)) for k in ("tp", "pp"))
-    if (p.tp, p.pp) != (tp, pp) and (p.tp, p.pp) != (1, 1) and (tp, pp) != (1, 1):
+    if (p.tp, p.pp) not in ((1, 1), (tp, pp)) and (not what_if or (tp, pp) != (1, 1)):
         raise ValueError(f"amsp.planner.tp/pp={p.tp}/{p.pp} contradict parallel.tp/pp={tp}/{pp}; a training run "
                          f"plans under parallel.tp / parallel.pp (amsp.planner.tp/pp are for planner what-ifs)")
     if (tp, pp) == (1, 1):

@@ -56,12 +56,7 @@ def plan_for_run(cfg: DictConfig, denv, device: torch.device | str = "cpu",
                  run_dir: pathlib.Path | None = None) -> PlanOutcome:
     """Choose the plan for this run. Collective when the world has several ranks."""
     device = torch.device(device)
-    tp, pp = (int(OmegaConf.select(cfg, f"parallel.{k}", default=1)) for k in ("tp", "pp"))
-    if (planner_config(cfg).tp, planner_config(cfg).pp) not in ((1, 1), (tp, pp)):
-        raise ValueError(f"amsp.planner.tp/pp={planner_config(cfg).tp}/{planner_config(cfg).pp} contradict "
-                         f"parallel.tp/pp={tp}/{pp}; a training run plans under parallel.tp / parallel.pp "
-                         f"(amsp.planner.tp/pp are for planner what-ifs)")
-    cfg = with_model_parallel(cfg)  # the AMSP plan is for each rank's DP group under these degrees
+    cfg = with_model_parallel(cfg, what_if=False)  # the AMSP plan is for each rank's DP group under these
     p = planner_config(cfg)
     r = ranks_per_node(cfg, denv.local_world_size)
     topo = Topology(denv.world_size, r)
@@ -155,7 +150,7 @@ def tp_local_profile(profile: ComputeProfile, cfg: DictConfig, model, denv, devi
 
     from amsp.parallel.joint_startup import measured_tp_units
 
-    units = measured_tp_units(cfg, model, denv, device)
+    units = measured_tp_units(cfg, model, denv, device, tps=[tp])
     if (None, tp) not in units:
         raise ValueError(f"parallel.tp={tp}: no tensor-parallel profile for it (measured tp: "
                          f"{sorted(t for _, t in units)}); tp must divide the ranks per node and the heads")
