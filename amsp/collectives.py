@@ -110,17 +110,24 @@ class CommStats:
 
 
 class Handle:
-    """An in-flight collective; wait() books the stall it causes on the phase (see the module docstring)."""
+    """An in-flight collective; wait() books the stall it causes on the phase (see the module docstring).
 
-    def __init__(self, comm: "Comm", work, phase: str):
+    It holds the collective's tensors until wait(), as NCCL's work object does: a send buffer the
+    caller drops (a unit's flat gradient after its reduce-scatter is launched) stays allocated while
+    the collective may still read it, whatever the backend keeps. Without this, the fake backend of a
+    pretend world (whose work holds nothing) freed it at once, and measured peaks on one GPU missed
+    the bucket a real NCCL run holds in flight."""
+
+    def __init__(self, comm: "Comm", work, phase: str, tensors: tuple[torch.Tensor, ...] = ()):
         self._comm, self._work, self.phase = comm, work, phase
+        self._tensors = tensors
 
     def wait(self) -> None:
         if self._work is None:
             return
         with self._comm.timed(("exposed", self.phase)):
             self._work.wait()
-        self._work = None
+        self._work, self._tensors = None, ()
 
     @property
     def done(self) -> bool:
@@ -164,7 +171,7 @@ class Comm:
             self._record(phase, "all_gather", out.numel() * out.element_size(), ranks)
         with data_plane():  # the routing checker's mark (amsp/routing_check.py)
             work = _all_gather(out, inp, group=process_group(ranks), async_op=True)
-        return Handle(self, work, phase)
+        return Handle(self, work, phase, (out, inp))
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...], phase: str) -> Handle:
         self._check(ranks)
@@ -173,7 +180,7 @@ class Comm:
         self._record(phase, "reduce_scatter", inp.numel() * inp.element_size(), ranks)
         with data_plane():
             work = _reduce_scatter(out, inp, group=process_group(ranks), async_op=True)
-        return Handle(self, work, phase)
+        return Handle(self, work, phase, (out, inp))
 
     def all_reduce(self, t: torch.Tensor, ranks: tuple[int, ...], phase: str) -> Handle:
         self._check(ranks)
@@ -182,7 +189,7 @@ class Comm:
         group = None if whole_world else process_group(ranks)
         with data_plane():
             work = dist.all_reduce(t, group=group, async_op=True)
-        return Handle(self, work, phase)
+        return Handle(self, work, phase, (t,))
 
     @contextmanager
     def timed(self, key: tuple[str, str]):
