@@ -37,6 +37,7 @@ from models.llama.model import Llama
 from .collectives import Comm, CommStats
 from .flat_unit import FlatUnit, ParamSlot
 from .fragments import Fragment, load_fragment, unit_fragments
+from .grad_accumulate import describe as describe_accumulation
 from .groups import ensure_groups, unit_groups
 from .optim import decays
 from .parallel.tp_slices import TPSlot, tp_slot_of
@@ -294,6 +295,7 @@ class AMSPEngine:
                  f"{self.precision_name} (gradient communication {str(self.grad_dtype).removeprefix('torch.')})",
                  on[self.options.prefetch], on[self.options.async_grad_reduce], on[self.options.overlap_spread],
                  self.options.spread_window)
+        log.info("gradient accumulation into the fp32 G shards: %s", describe_accumulation(self.device))
         for grp in ("blocks", "embed_head"):
             us = [u for u in self.units if u.group == grp]
             if us:

@@ -375,6 +375,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_fwd(
   return {loss, grad_h, grad_w};
 }
 
+// A gradient leaving autograd into its fp32 accumulator (amsp/grad_accumulate.py): acc += grad, or
+// acc = grad for the step's first micro-batch (no zeroing pass, no read of stale values). On CPU this
+// is torch's own copy_/add_; the CUDA version is one vectorized pass (torch's mixed-dtype add_ is not).
+void accumulate_grad(const at::Tensor& acc, const at::Tensor& grad, bool overwrite) {
+  TORCH_CHECK(acc.scalar_type() == at::kFloat && acc.dim() == 1 && acc.is_contiguous(),
+              "amsp_fused::accumulate_grad: the accumulator must be a contiguous 1-D float32 tensor");
+  TORCH_CHECK(grad.numel() == acc.numel(), "amsp_fused::accumulate_grad: ", grad.numel(),
+              " gradient elements for an accumulator of ", acc.numel());
+  const auto flat = grad.reshape({-1});
+  if (overwrite) {
+    acc.copy_(flat);
+  } else {
+    acc.add_(flat);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(amsp_fused, m) {
@@ -386,6 +402,7 @@ TORCH_LIBRARY(amsp_fused, m) {
   m.def("swiglu_bwd(Tensor dy, Tensor a, Tensor b) -> (Tensor, Tensor)");
   m.def("linear_cross_entropy_fwd(Tensor h, Tensor weight, Tensor targets, int ignore_index, int chunk, "
         "bool compute_grad) -> (Tensor, Tensor, Tensor)");
+  m.def("accumulate_grad(Tensor(a!) acc, Tensor grad, bool overwrite) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(amsp_fused, CPU, m) {
@@ -396,4 +413,5 @@ TORCH_LIBRARY_IMPL(amsp_fused, CPU, m) {
   m.impl("swiglu_fwd", &swiglu_fwd);
   m.impl("swiglu_bwd", &swiglu_bwd);
   m.impl("linear_cross_entropy_fwd", &linear_cross_entropy_fwd);
+  m.impl("accumulate_grad", &accumulate_grad);
 }

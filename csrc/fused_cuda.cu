@@ -12,6 +12,9 @@
 #include <c10/cuda/CUDAException.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstdint>
+
 namespace {
 
 constexpr int kThreads = 256;
@@ -90,18 +93,26 @@ __global__ void rms_bwd_dx_kernel(const scalar_t* dy, const scalar_t* x, const s
   }
 }
 
-// dw[d] = sum_r dy[r, d] * round(x[r, d] * rstd[r]): one thread per column, deterministic.
+// partial[c, d] = sum over rows r of chunk c of dy[r, d] * round(x[r, d] * rstd[r]); dw = partial.sum(0).
+// A grid of (column blocks x row chunks), each thread one column of one chunk: coalesced and
+// deterministic. One thread per column over all rows (the first version) gave 16 blocks on a 132-SM
+// H100 for dim 4096 and took 1.2 ms per call, 80 ms of an eager 1.88B step (profiled).
+// At least 32 rows a chunk; more where the rows would need over 65535 chunks (the grid's y limit).
+int64_t dw_rows_per_chunk(int64_t N) { return std::max<int64_t>(32, (N + 65534) / 65535); }
+
 template <typename scalar_t, typename acc_t>
-__global__ void rms_bwd_dw_kernel(const scalar_t* dy, const scalar_t* x, const acc_t* rstd, acc_t* dw, int64_t N,
-                                  int64_t D) {
+__global__ void rms_bwd_dw_kernel(const scalar_t* dy, const scalar_t* x, const acc_t* rstd, acc_t* partial,
+                                  int64_t N, int64_t D, int64_t rows_per_chunk) {
   const int64_t d = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (d >= D) return;
+  const int64_t r0 = blockIdx.y * rows_per_chunk;
+  const int64_t r1 = min(N, r0 + rows_per_chunk);
   acc_t acc = 0;
-  for (int64_t r = 0; r < N; ++r) {
+  for (int64_t r = r0; r < r1; ++r) {
     const acc_t n = static_cast<acc_t>(static_cast<scalar_t>(static_cast<acc_t>(x[r * D + d]) * rstd[r]));
     acc += static_cast<acc_t>(dy[r * D + d]) * n;
   }
-  dw[d] = acc;
+  partial[blockIdx.y * D + d] = acc;
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_fwd_cuda(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
@@ -133,7 +144,9 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cuda(const at::Tensor& dy_in, co
   auto rstd = rstd_in.contiguous();
   const int64_t N = x.size(0), D = x.size(1);
   auto dx = at::empty_like(x);
-  auto dw = at::zeros({D}, x.options().dtype(rstd.scalar_type()));
+  const int64_t rows_per_chunk = dw_rows_per_chunk(N);
+  const int64_t chunks = (N + rows_per_chunk - 1) / rows_per_chunk;
+  auto partial = at::empty({chunks, D}, x.options().dtype(rstd.scalar_type()));
   if (N > 0) {
     auto stream = c10::cuda::getCurrentCUDAStream();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_bwd_cuda", [&] {
@@ -142,13 +155,92 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cuda(const at::Tensor& dy_in, co
           dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), w.const_data_ptr<scalar_t>(),
           rstd.const_data_ptr<acc_t>(), dx.mutable_data_ptr<scalar_t>(), D);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      rms_bwd_dw_kernel<scalar_t, acc_t><<<(D + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+      const dim3 grid((D + kThreads - 1) / kThreads, chunks);
+      rms_bwd_dw_kernel<scalar_t, acc_t><<<grid, kThreads, 0, stream>>>(
           dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), rstd.const_data_ptr<acc_t>(),
-          dw.mutable_data_ptr<acc_t>(), N, D);
+          partial.mutable_data_ptr<acc_t>(), N, D, rows_per_chunk);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
+  auto dw = N > 0 ? partial.sum(0) : at::zeros({D}, partial.options());
   return {dx, dw.to(w.scalar_type())};
+}
+
+// ---------------------------------------------------------------- gradient accumulation
+// acc (fp32) = grad or acc + grad, four elements per thread and iteration (one 16-byte float4 of the
+// accumulator, 8 bytes of a bf16/fp16 gradient). torch's add_ of a bf16 tensor into fp32 takes its
+// unvectorised mixed-dtype path: 69 ms of a 446 ms compiled 1.88B step on an H100 (profiled), about
+// 3x this pass's bytes at the card's bandwidth.
+template <typename scalar_t>
+struct alignas(4 * sizeof(scalar_t)) Vec4 {
+  scalar_t v[4];
+};
+
+template <typename scalar_t>
+__global__ void accumulate_vec4_kernel(float* __restrict__ acc, const scalar_t* __restrict__ grad, int64_t n4,
+                                       bool overwrite) {
+  auto* acc4 = reinterpret_cast<float4*>(acc);
+  const auto* grad4 = reinterpret_cast<const Vec4<scalar_t>*>(grad);
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4; i += stride) {
+    const Vec4<scalar_t> g = grad4[i];
+    const float g0 = static_cast<float>(g.v[0]), g1 = static_cast<float>(g.v[1]);
+    const float g2 = static_cast<float>(g.v[2]), g3 = static_cast<float>(g.v[3]);
+    float4 a;
+    if (overwrite) {
+      a = make_float4(g0, g1, g2, g3);
+    } else {
+      a = acc4[i];
+      a.x += g0;
+      a.y += g1;
+      a.z += g2;
+      a.w += g3;
+    }
+    acc4[i] = a;
+  }
+}
+
+// The elements the vectorised pass does not cover (all of them when a pointer is misaligned).
+template <typename scalar_t>
+__global__ void accumulate_scalar_kernel(float* acc, const scalar_t* grad, int64_t begin, int64_t n, bool overwrite) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = begin + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += stride) {
+    const float g = static_cast<float>(grad[i]);
+    acc[i] = overwrite ? g : acc[i] + g;
+  }
+}
+
+int blocks_for(int64_t work) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads, 4096)));
+}
+
+void accumulate_grad_cuda(const at::Tensor& acc, const at::Tensor& grad_in, bool overwrite) {
+  TORCH_CHECK(acc.scalar_type() == at::kFloat && acc.dim() == 1 && acc.is_contiguous(),
+              "amsp_fused::accumulate_grad: the accumulator must be a contiguous 1-D float32 tensor");
+  TORCH_CHECK(grad_in.numel() == acc.numel(), "amsp_fused::accumulate_grad: ", grad_in.numel(),
+              " gradient elements for an accumulator of ", acc.numel());
+  TORCH_CHECK(grad_in.device() == acc.device(), "amsp_fused::accumulate_grad: gradient on ", grad_in.device(),
+              ", accumulator on ", acc.device());
+  const auto grad = grad_in.contiguous();
+  const int64_t n = acc.numel();
+  if (n == 0) return;
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad.scalar_type(), "accumulate_grad_cuda", [&] {
+    float* a = acc.mutable_data_ptr<float>();
+    const scalar_t* g = grad.const_data_ptr<scalar_t>();
+    const bool aligned = reinterpret_cast<uintptr_t>(a) % 16 == 0 &&
+                         reinterpret_cast<uintptr_t>(g) % (4 * sizeof(scalar_t)) == 0;
+    const int64_t n4 = aligned ? n / 4 : 0;
+    if (n4 > 0) {
+      accumulate_vec4_kernel<scalar_t><<<blocks_for(n4), kThreads, 0, stream>>>(a, g, n4, overwrite);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    if (n4 * 4 < n) {
+      accumulate_scalar_kernel<scalar_t><<<blocks_for(n - n4 * 4), kThreads, 0, stream>>>(a, g, n4 * 4, n,
+                                                                                          overwrite);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
 }
 
 // ---------------------------------------------------------------- rotary embedding
@@ -348,4 +440,5 @@ TORCH_LIBRARY_IMPL(amsp_fused, CUDA, m) {
   m.impl("swiglu_fwd", &swiglu_fwd_cuda);
   m.impl("swiglu_bwd", &swiglu_bwd_cuda);
   m.impl("linear_cross_entropy_fwd", &linear_cross_entropy_fwd_cuda);
+  m.impl("accumulate_grad", &accumulate_grad_cuda);
 }

@@ -65,3 +65,39 @@ def test_cuda_gradcheck(cuda_ext):
     h, w2 = torch.randn(6, 5, **d, requires_grad=True), torch.randn(11, 5, **d, requires_grad=True)
     t = torch.tensor([1, 2, IGNORE_INDEX, 4, 10, 0], device="cuda")
     assert torch.autograd.gradcheck(lambda h, w2: fused.linear_cross_entropy(h, w2, t, chunk=4), (h, w2))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_accumulate_grad_cuda_equals_torch_bit_for_bit(cuda_ext, dtype):
+    """The vectorised gradient accumulation (amsp/grad_accumulate.py) against torch's copy_/add_ on the
+    same device: one fp32 addition per element either way, so equal to the bit; sizes around the
+    4-element vector width, and slices whose pointers break the vector alignment (the scalar path)."""
+    torch.manual_seed(0)
+    for n in (0, 1, 3, 4, 7, 1029, (1 << 20) + 3):
+        for acc_off, grad_off in ((0, 0), (1, 0), (0, 1), (2, 3)):
+            base = torch.randn(n + acc_off, device="cuda")
+            grads = torch.randn(n + grad_off, device="cuda").to(dtype)
+            g = grads[grad_off:]
+            for overwrite in (True, False):
+                got, want = base.clone()[acc_off:], base.clone()[acc_off:]
+                torch.ops.amsp_fused.accumulate_grad(got, g, overwrite)
+                want.copy_(g) if overwrite else want.add_(g)
+                assert torch.equal(got, want), (n, acc_off, grad_off, overwrite)
+    acc = torch.zeros(6, device="cuda")
+    torch.ops.amsp_fused.accumulate_grad(acc, torch.ones(2, 3, device="cuda", dtype=dtype), False)  # any shape
+    assert torch.equal(acc, torch.ones(6, device="cuda"))
+
+
+def test_rms_norm_weight_gradient_across_row_chunks(cuda_ext):
+    """The weight gradient is summed over row chunks of 32 (csrc/fused_cuda.cu): rows that are not a
+    multiple of the chunk, a dim that is not a multiple of the block, against RMSNorm in fp64 throughout
+    (rms_norm_reference normalises in fp32, as Meta's does: 1e-6 off in fp64 on the first GPU run)."""
+    torch.manual_seed(0)
+    x = torch.randn(1000, 300, device="cuda", dtype=torch.float64, requires_grad=True)
+    w = (torch.rand(300, device="cuda", dtype=torch.float64) + 0.5).requires_grad_()
+    dy = torch.randn(1000, 300, device="cuda", dtype=torch.float64)
+    got = torch.autograd.grad(fused.rms_norm(x, w, 1e-5), (x, w), dy)
+    fp64 = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+    want = torch.autograd.grad(fp64, (x, w), dy)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)

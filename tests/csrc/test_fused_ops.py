@@ -168,3 +168,21 @@ def test_ops_take_weights_at_call_time(native_ext):
     y1 = fused.rms_norm(x, w, 1e-5)
     flat.mul_(2)
     torch.testing.assert_close(fused.rms_norm(x, w, 1e-5), 2 * y1)
+
+
+def test_accumulate_grad_op_on_cpu(native_ext):
+    """The gradient accumulation op's CPU kernel (the schema's reference; amsp/grad_accumulate.py itself
+    uses torch's ops on CPU): acc = grad or acc += grad in place, any gradient shape of as many elements,
+    one-line refusals for a wrong accumulator or size. The CUDA kernel: tests/csrc/test_fused_cuda.py."""
+    acc = torch.arange(6, dtype=torch.float32)
+    g = torch.full((2, 3), 0.5, dtype=torch.bfloat16)
+    torch.ops.amsp_fused.accumulate_grad(acc, g, False)
+    assert torch.equal(acc, torch.arange(6, dtype=torch.float32) + 0.5)
+    torch.ops.amsp_fused.accumulate_grad(acc, g, True)
+    assert torch.equal(acc, torch.full((6,), 0.5))
+    torch.library.opcheck(torch.ops.amsp_fused.accumulate_grad.default, (torch.zeros(6), g, False),
+                          test_utils=("test_schema",))
+    with pytest.raises(RuntimeError, match="contiguous 1-D float32"):
+        torch.ops.amsp_fused.accumulate_grad(torch.zeros(6, dtype=torch.bfloat16), g, False)
+    with pytest.raises(RuntimeError, match="5 gradient elements for an accumulator of 6"):
+        torch.ops.amsp_fused.accumulate_grad(torch.zeros(6), torch.ones(5), False)
