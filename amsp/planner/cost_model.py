@@ -305,9 +305,10 @@ class CostModel:
         fills (amsp.flat_unit take_grad): its largest parameter's, compute dtype, beside the buffers.
         With g = 1 the bucket is that gradient already; the fused head's weight gradient is the d/dW its
         forward kept (priced with the head's activations)."""
+        working = self.w.block_backward_transient_bytes() if role == "block" else 0
         if deg.g == 1 or (role == "head" and self.w.head_loss_fused):
-            return 0
-        return self.w.largest_param_numel(role) * self._pb
+            return working
+        return self.w.largest_param_numel(role) * self._pb + working
 
     def bucket_events(self) -> list[tuple[tuple[str, ...], str, float]]:
         """(units whose gradient buckets are held, the unit filling, bytes credited) where the buckets
@@ -315,7 +316,8 @@ class CostModel:
         flight, as buffer_pairs with their offsets; and the head, first in the backward, filling alone."""
         events = [(pair[:2], pair[0], off) for pair, off in zip(self.buffer_pairs(), self.bucket_pair_offsets())]
         if "head" in self._numel:
-            events.append((("head",), "head", 0.0))
+            alone = self.w.head_forward_only_bytes() if self.w.frees_activations_in_backward else 0.0
+            events.append((("head",), "head", alone))
         return events
 
     def bucket_pair_offsets(self) -> list[float]:
@@ -326,10 +328,21 @@ class CostModel:
         against the full activations less that. A tied embedding+head unit starts its gradient with the
         head's, at the start of the backward: no offset. Nor where Workload.embedding_gradient_comes_last
         says no (tp > 1)."""
-        if not self.w.embedding_gradient_comes_last:
-            return [0.0] * len(self.buffer_pairs())
-        credit = self.constant_memory()["activations"] - self.w.activation_bytes_at_embedding_backward()
-        return [credit if pair == ("embedding", "block") else 0.0 for pair in self.buffer_pairs()]
+        pairs = self.buffer_pairs()
+        offsets = [0.0] * len(pairs)
+        if self.w.embedding_gradient_comes_last:
+            credit = self.constant_memory()["activations"] - self.w.activation_bytes_at_embedding_backward()
+            offsets = [credit if pair == ("embedding", "block") else 0.0 for pair in pairs]
+        if self.w.frees_activations_in_backward and "head" in self._numel:
+            # The head's backward is over (its activations freed) when the last block's gradients fill;
+            # when the next block's fill, the last block's own activations are gone too.
+            head = self.w.head_activation_bytes()
+            for i, pair in enumerate(pairs):
+                if pair == ("block", "head"):
+                    offsets[i] = head
+                elif pair == ("block", "block"):
+                    offsets[i] = head + self.w.layer_activation_bytes()
+        return offsets
 
     def peak_grad_buckets(self, buckets: dict, fills: dict) -> float:
         """The bucket term beside the full activations: the largest of the bucket events (held buckets

@@ -185,7 +185,8 @@ def kernels_for_model(model, device, dtype_name: str, compiled: bool = False) ->
         fused |= {"rms_norm"}
     half_on_cuda = torch.device(device).type == "cuda" and dtype_name in ("bf16", "fp16")
     kv_repeated = resolve_attention(model.attention) == "sdpa" and not half_on_cuda
-    return Kernels(fused=frozenset(fused), kv_repeated=kv_repeated, compiled=compiled)
+    return Kernels(fused=frozenset(fused), kv_repeated=kv_repeated, compiled=compiled,
+                   loss_weight_copy=torch.device(device).type != "cuda")
 
 
 def _solve(cfg, cluster, p, run_dir, profile: ComputeProfile | None = None,

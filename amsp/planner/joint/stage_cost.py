@@ -173,6 +173,11 @@ class StagePricer:
         self.largest = {role: w.largest_param_numel(role) for role in ("embedding", "block", "head")}
         self.embedding_last = w.embedding_gradient_comes_last
         self.head_fused = w.head_loss_fused
+        # activations freed before a gradient bucket peaks (cost_model.bucket_pair_offsets) and a block's
+        # backward working tensors beside its filling buffer (cost_model.grad_fill_bytes)
+        self.frees_in_backward = w.frees_activations_in_backward
+        self.head_forward_only = w.head_forward_only_bytes()
+        self.block_working = w.block_backward_transient_bytes()
 
     # ---- compute ----
     def compute_s(self, n_blocks: int, embed: bool, head: bool, recompute: bool) -> float:
@@ -204,6 +209,9 @@ class StagePricer:
         # the loss backward's transient if larger (it runs before any gradient exists)
         lb, le, lh = self.largest["block"], self.largest["embedding"], self.largest["head"]
         one = ([le] if embed else []) + [lb] * n_blocks + ([lh] if head and ph else [])
+        roles = (["embedding"] if embed else []) + ["block"] * n_blocks + (["head"] if head and ph else [])
+        working = [self.block_working if r == "block" else 0.0 for r in roles]  # beside a filling block
+        separate_head = head and ph and len(order) > 1
         if deg.g > 1:
             # a unit's flat buffer filling (and the gradient in copy) while the next unit's is in flight
             # (cost_model.bucket_events); the head, first in the backward, alone; the fused head's
@@ -211,11 +219,24 @@ class StagePricer:
             fill = [x * prec.param_bytes for x in one]
             if head and ph and self.head_fused:
                 fill[-1] = 0.0
+            fill = [f + w for f, w in zip(fill, working)]
             grad_pairs = [x * prec.grad_bytes + f for x, f in zip(pairs, fill)]
-            if head and ph and len(order) > 1:
+            if separate_head:
                 grad_pairs.append(order[-1] * prec.grad_bytes + fill[-1])
         else:
-            grad_pairs = [x * prec.param_bytes for x in _adjacent_pairs(one)]
+            grad_pairs = [x * prec.param_bytes + w for x, w in zip(_adjacent_pairs(one), working)]
+            if separate_head:
+                grad_pairs.append(lh * prec.param_bytes)
+        if self.frees_in_backward and separate_head:
+            # what is freed before each bucket event (cost_model.bucket_pair_offsets / bucket_events): the
+            # head's activations once the last block fills, and a block's once the one before it fills
+            for i in range(len(roles) - 1):
+                pair = (roles[i], roles[i + 1])
+                if pair == ("block", "head"):
+                    grad_pairs[i] -= self.head_act
+                elif pair == ("block", "block"):
+                    grad_pairs[i] -= self.head_act + self.layer_act[recompute]
+            grad_pairs[-1] -= self.head_forward_only
         # the untied embedding's pair arrives last in the backward, beside only the other micro-batches
         # in flight and the receive buffers (Workload.embedding_gradient_comes_last)
         last = embed and not tied_here and len(order) > 1 and self.embedding_last
