@@ -32,6 +32,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from amsp.compile import apply_compile  # noqa: E402
 from amsp.engine import AMSPEngine, EngineOptions  # noqa: E402
 from amsp.launch import init_distributed  # noqa: E402
+from amsp.metrics.peak_breakdown import format_breakdown, peak_breakdown, recorded_allocations  # noqa: E402
 from amsp.plan import Degrees, Plan  # noqa: E402
 from amsp.planner.cluster import cluster_from_config  # noqa: E402
 from amsp.planner.cost_model import CostModel, Options  # noqa: E402
@@ -68,7 +69,17 @@ def predicted_bytes(cfg, plan: Plan, world: int, seq: int, micro: int, window: i
 
 
 def measure(cfg, plan: Plan, world: int, seq: int, micro: int, steps: int, window: int,
-            compiled: bool = False) -> dict:
+            compiled: bool = False, breakdown: bool = False) -> dict:
+    if not breakdown:
+        return _measure(cfg, plan, world, seq, micro, steps, window, compiled)
+    with recorded_allocations() as rec:
+        got = _measure(cfg, plan, world, seq, micro, steps, window, compiled)
+    peak, rows = peak_breakdown(rec.snapshot)
+    print(f"plan {plan.blocks}: " + format_breakdown(peak, rows), flush=True)
+    return {**got, "breakdown": [{"origin": o, "gib": b / GIB, "blocks": n} for o, b, n in rows]}
+
+
+def _measure(cfg, plan: Plan, world: int, seq: int, micro: int, steps: int, window: int, compiled: bool) -> dict:
     device = torch.device("cuda", 0)
     gc.collect()
     torch.cuda.empty_cache()
@@ -108,6 +119,8 @@ def main() -> None:
     ap.add_argument("--checkpointing", default="none,full", help="model.activation_checkpointing values")
     ap.add_argument("--compile", default="off", help="off, on or off,on: blocks compiled as train.py's default on "
                     "CUDA does (each compiled row adds the compilation's time)")
+    ap.add_argument("--breakdown", action="store_true", help="record every allocation and print, per plan, what "
+                    "was alive at the peak by the code that allocated it (amsp/metrics/peak_breakdown.py)")
     ap.add_argument("--out", default=None, help="write the table (markdown) and raw rows (.json) here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -129,9 +142,12 @@ def main() -> None:
             row = {"plan": text, "checkpointing": ckpt, "compiled": compiled, "predicted_gib": want / GIB,
                    "parts_gib": {k: round(v / GIB, 3) for k, v in parts.items()}}
             try:
-                got = measure(cfg, plan, world, args.seq, args.micro, args.steps, args.window, compiled)
+                got = measure(cfg, plan, world, args.seq, args.micro, args.steps, args.window, compiled,
+                              args.breakdown)
                 row.update(measured_gib=got["peak"] / GIB, skipped_steps=got["skipped"],
                            error_pct=100 * (want - got["peak"]) / got["peak"], seconds=got["seconds"])
+                if "breakdown" in got:
+                    row["breakdown"] = got["breakdown"]
             except torch.OutOfMemoryError as e:
                 row.update(measured_gib=None, error=f"out of memory: {str(e).splitlines()[0]}")
             rows.append(row)

@@ -283,7 +283,8 @@ def measure(name: str, args, cfg: LlamaConfig, device: torch.device, batch) -> d
     for _ in range(args.warmup - 1):
         step(batch, clock)
     clock.sync()
-    peak_window = torch.cuda.max_memory_allocated() if cuda else None
+    # Peaks are of this variant's own window: whatever an earlier variant left allocated is taken off.
+    peak_window = torch.cuda.max_memory_allocated() - left_before if cuda else None
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     marks, skipped = [], 0
@@ -295,15 +296,72 @@ def measure(name: str, args, cfg: LlamaConfig, device: torch.device, batch) -> d
         skipped += bool(was_skipped)
     clock.sync()
     wall = time.perf_counter() - w0
-    peak_steady = torch.cuda.max_memory_allocated() if cuda else None
+    peak_steady = torch.cuda.max_memory_allocated() - left_before if cuda else None
+    if args.profile:  # after the timed steps and the peak: the profiler's own cost stays out of both
+        profile_step(name, args.profile, step, batch, clock, device)
     step_s = [clock.seconds(a, c) for a, _, c in marks]
     optim_s = [clock.seconds(b, c) for _, b, c in marks]
     del holder, step
     free_memory(device)
     left_after = torch.cuda.memory_allocated() if cuda else 0
+    if left_after - left_before > 256 * 2**20:
+        log.warning("%s: still alive after it was freed:\n%s", name, live_cuda_tensors())
     return {"build_s": built, "first_step_s": first, "wall_s": wall, "step_s": step_s,
             "optimizer_share": sum(optim_s) / sum(step_s), "peak_steady": peak_steady, "peak_window": peak_window,
             "skipped_steps": skipped, "allocated_before": left_before, "allocated_after": left_after}
+
+
+def _is_cuda_tensor(obj) -> bool:
+    try:
+        return isinstance(obj, torch.Tensor) and obj.is_cuda
+    except Exception:  # noqa: BLE001 - proxies and half-built objects can raise anything here
+        return False
+
+
+def live_cuda_tensors(top: int = 6) -> str:
+    """The largest CUDA tensors Python still reaches, by (shape, dtype), with what refers to one of each
+    (two levels of referrer types): what keeps a freed variant's memory."""
+    groups: dict[tuple, list] = {}
+    import warnings
+
+    with warnings.catch_warnings():  # isinstance() on deprecated module attributes warns
+        warnings.simplefilter("ignore")
+        objects = [o for o in gc.get_objects() if _is_cuda_tensor(o)]
+    for obj in objects:
+        try:
+            key = (tuple(obj.shape), str(obj.dtype).removeprefix("torch."))
+            g = groups.setdefault(key, [0, 0, obj])
+            g[0] += obj.untyped_storage().nbytes()
+            g[1] += 1
+        except RuntimeError:  # e.g. a tensor subclass without storage
+            continue
+    del objects
+    lines = []
+    for (shape, dtype), (nbytes, count, example) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
+        refs, mine = [], [groups, *groups.values()]  # this function's own bookkeeping
+        for r in gc.get_referrers(example):
+            if isinstance(r, type(sys._getframe())) or any(r is m for m in mine):
+                continue
+            up = [type(r2).__name__ for r2 in gc.get_referrers(r) if r2 is not groups][:3]
+            refs.append(f"{type(r).__name__}{'<' + ','.join(up) + '>' if up else ''}")
+        lines.append(f"  {count} x {shape} {dtype}: {nbytes / 2**20:.0f} MiB (storage); referred to by "
+                     f"{', '.join(refs[:4]) or 'nothing Python sees'}")
+    return "\n".join(lines) or "  no CUDA tensor reachable from Python (held by C++: autograd graph, caches)"
+
+
+def profile_step(name: str, path: str, step, batch, clock: Clock, device: torch.device) -> None:
+    """One more steady step under torch.profiler; its kernels by self time go to `path` (appended,
+    one section per variant and round): where a variant's step goes, side by side with the others."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step(batch, clock)
+        clock.sync()
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=45, max_name_column_width=90)
+    with open(path, "a") as f:
+        f.write(f"==== {name} (one steady step, sorted by {key}) ====\n{table}\n")
 
 
 # ---------------------------------------------------------------- report
@@ -481,6 +539,8 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, help="torch threads on CPU")
     ap.add_argument("--markdown", help="write the table here (rewritten after every variant)")
     ap.add_argument("--json", help="write the raw numbers here")
+    ap.add_argument("--profile", help="append a torch.profiler table of one more steady step per variant and round "
+                    "(kernels by self time) to this file")
     ap.add_argument("--tiny", action="store_true",
                     help="debug preset, seq 64, 2 micro-batches, 1 round of 2 steps: checks the code path in seconds")
     args = ap.parse_args(argv)
