@@ -16,6 +16,7 @@ import pathlib
 import shutil
 import signal
 import sys
+import time
 
 import hydra
 import torch
@@ -24,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from amsp import control
 from amsp.checkpoint import CheckpointManager
+from amsp.compile import compile_seconds
 from amsp.errors import EXIT_INPUT, InputError, RunError, one_line_errors
 from amsp.init_from import init_weights_from
 from amsp.launch import DistEnv, init_distributed, log_backend_choices
@@ -123,6 +125,17 @@ def main(cfg: DictConfig) -> None:
     # Known failures end as one line and an exit code that says input (2) or fault (3): amsp/errors.py.
     with one_line_errors(OmegaConf.select(cfg, "logging.level")):
         run(cfg)
+
+
+def log_startup_time(device: torch.device, started: float, built_s: float, compile_s: float) -> None:
+    """Model construction to the end of the first step, once. Its one synchronisation is on the first
+    step only (the device runs behind the host)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    total = time.perf_counter() - started
+    compiled = f"; torch.compile {compile_s:.1f} s of it, {total - compile_s:.1f} s without" if compile_s else ""
+    log.info("startup: %.1f s from model construction to the end of the first step (engine built in %.1f s%s)",
+             total, built_s, compiled)
 
 
 def run(cfg: DictConfig) -> None:
@@ -225,7 +238,9 @@ def run(cfg: DictConfig) -> None:
         return engine_from_config(cfg.amsp, cfg.optim, cfg.trainer.dtype, model_cfg, denv, device, cfg.trainer.seed,
                                   plan=p, compile=cfg.model.compile, mesh=mesh, parts=parts)
 
+    construction_started, compiled_before = time.perf_counter(), compile_seconds()
     engine = build_or_explain_oom(lambda: build_engine(plan), cfg, denv, device, plan)
+    engine_built_s = time.perf_counter() - construction_started
     # Pipeline parallelism: the schedule runs a step's micro-batches through this rank's stage(s).
     runner = pipeline_runner(engine, mesh, denv.rank, cfg.parallel, accum, seq_len, mbs)
     dtype = engine.compute_dtype
@@ -346,6 +361,8 @@ def run(cfg: DictConfig) -> None:
                 timer.lap("forward_backward")
             result = engine.step(lr)  # gradient sync, sharded AdamW with global-norm clipping, spread
             timer.lap("optimizer")
+            if step == start_step + 1:  # the issue's "construction to first step", compilation named apart
+                log_startup_time(device, construction_started, engine_built_s, compile_seconds() - compiled_before)
             skips.record(result.skipped, step, result.grad_norm)
 
             timings, comm = timer.end_step(), engine.comm_stats()

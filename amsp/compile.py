@@ -72,3 +72,16 @@ def apply_compile(model: nn.Module, setting: str, device: torch.device) -> bool:
              f"fullgraph off: {'/'.join(islands)} kernels may run eagerly inside the block" if islands
              else "fullgraph")
     return True
+
+
+def compile_seconds() -> float:
+    """Seconds torch.compile has spent in this process so far: dynamo's tracing with inductor's forward
+    compile, plus the backward graphs AOTAutograd compiles lazily at their first backward. Read from
+    torch's own compile-time records (torch._dynamo.utils.compilation_time_metrics); 0.0 when nothing
+    was compiled or this torch keeps no such record (then the startup line says nothing of it)."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics as metrics
+    except ImportError:
+        return 0.0
+    return float(sum(sum(times) for name, times in metrics.items()
+                     if name == "_compile.compile_inner" or name.endswith("bw_compiler")))

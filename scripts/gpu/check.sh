@@ -17,8 +17,12 @@
 # arguments for the benchmark, e.g. "--rounds 1"), GPU_CHECK_PARTS (default
 # "tests,bench"; "memory" runs scripts/bench/bench_gpu_memory.py instead: measured peak memory against
 # the planner's prediction for several plans as rank 0 of a pretend world of 8, into gpu_memory.md, with
-# MEMORY_ARGS passed on, e.g. "--compile off,on" for compiled blocks too —
-# a call of its own, since one device call brings back at most 8 files).
+# MEMORY_ARGS passed on, e.g. "--compile off,on" for compiled blocks too; "predict" runs train.py on the
+# benchmark's shape for the planner's one-GPU recheck (predicted against measured step time and peak
+# memory), with PREDICT_ARGS as extra overrides. One device call brings back at most 8 files: with
+# several parts, send $OUT elsewhere and pack it, e.g.
+#     R=/tmp/res; mkdir -p $R; OUT=$R GPU_CHECK_PARTS=predict,memory,bench bash scripts/gpu/check.sh; tar czf $OUT/r.tgz -C $R .
+# ).
 #
 # Time on a fresh machine: the gpu tests build the CPU extension (g++) and the CUDA kernels (nvcc) on first
 # use, prepare the built-in corpus, and start five train.py processes (two compile their blocks), so
@@ -82,14 +86,28 @@ fi
 [[ $PARTS == *,tests,* ]] && run_part gpu_tests "$TESTS_TIMEOUT" "$PY" -m pytest -m gpu -q -rs \
   --continue-on-collection-errors -p no:cacheprovider tests
 
-# ---- 4. planner memory against measured peaks (its own call: GPU_CHECK_PARTS=memory)
+# ---- 4. train.py on the benchmark's shape (GPU_CHECK_PARTS=predict): the planner's recheck after 20 steps
+# logs its predicted step time and peak memory beside the measured ones (issue 15's one-GPU check); the
+# log also has the startup time (construction to first step, torch.compile apart), the MFU the training
+# log prints (to compare with the benchmark's) and the final checkpoint's time. No cluster is named: the
+# planner sees what a user's first run sees.
+if [[ $PARTS == *,predict,* ]]; then
+  rm -rf /tmp/amsp_predict
+  # shellcheck disable=SC2086  # PREDICT_ARGS is a list of Hydra overrides
+  run_part predict "${PREDICT_TIMEOUT_S:-240}" "$PY" train.py model=llama2_7b model.n_layers=8 data.seq_len=4096 \
+    trainer.micro_batch_size=1 trainer.global_batch_size=4 trainer.device=cuda trainer.max_steps=30 \
+    trainer.log_interval=5 trainer.val_samples=4 amsp.planner.recheck_steps=20 logging.wandb.mode=disabled \
+    trainer.output_dir=/tmp/amsp_predict ${PREDICT_ARGS:-}
+fi
+
+# ---- 5. planner memory against measured peaks (its own call: GPU_CHECK_PARTS=memory)
 if [[ $PARTS == *,memory,* ]]; then
   # shellcheck disable=SC2086  # MEMORY_ARGS is a list of arguments (e.g. "--compile off,on --plans 1/1/8")
   run_part memory $((BUDGET - (SECONDS - START) - 15)) env AMSP_PRETEND_WORLD=8 "$PY" \
     scripts/bench/bench_gpu_memory.py --out "$RESULTS/gpu_memory" ${MEMORY_ARGS:-}
 fi
 
-# ---- 5. benchmark with the time that is left (the script stops starting rounds before its budget)
+# ---- 6. benchmark with the time that is left (the script stops starting rounds before its budget)
 left=$((BUDGET - (SECONDS - START) - 15))
 if [[ $PARTS != *,bench,* ]]; then
   :
