@@ -399,7 +399,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_fwd_cuda(
   const int64_t N = h.size(0), V = w.size(0);
   auto acc_type = at::toOpMathType(h.scalar_type());
   auto grad_h = compute_grad ? at::zeros_like(h) : at::empty({0}, h.options());
-  auto grad_w_acc = compute_grad ? at::zeros({V, h.size(1)}, h.options().dtype(acc_type)) : at::empty({0}, h.options());
+  // d/dW accumulates in acc_t; the first chunk writes it (no zeroing pass over vocab x dim)
+  auto grad_w_acc = compute_grad ? at::empty({V, h.size(1)}, h.options().dtype(acc_type)) : at::empty({0}, h.options());
+  if (compute_grad && N == 0) grad_w_acc.zero_();
   auto row_loss = at::zeros({N}, h.options().dtype(acc_type));
   // 1 / (non-ignored targets) stays on the device (a .item() here was a host sync per call). Rounded
   // once from double to acc_t, as static_cast<acc_t>(1.0 / n_valid) was; 1 / 0 = inf when every target
@@ -419,9 +421,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_fwd_cuda(
       auto g = logits.to(h.scalar_type());
       grad_h.narrow(0, c0, C).copy_(at::mm(g, w));
       if (h.scalar_type() == acc_type) {
-        grad_w_acc.addmm_(g.t(), hc);
+        if (c0 == 0) {
+          at::mm_out(grad_w_acc, g.t(), hc);
+        } else {
+          grad_w_acc.addmm_(g.t(), hc);
+        }
       } else {
-        grad_w_acc.add_(at::mm(g.t(), hc));
+        // bf16/fp16 chunk products into the fp32 accumulator in one vectorised pass (torch's mixed-dtype
+        // add_ is not vectorised)
+        accumulate_grad_cuda(grad_w_acc.view({-1}), at::mm(g.t(), hc), /*overwrite=*/c0 == 0);
       }
     }
   }

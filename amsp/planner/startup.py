@@ -186,7 +186,7 @@ def kernels_for_model(model, device, dtype_name: str, compiled: bool = False) ->
     half_on_cuda = torch.device(device).type == "cuda" and dtype_name in ("bf16", "fp16")
     kv_repeated = resolve_attention(model.attention) == "sdpa" and not half_on_cuda
     return Kernels(fused=frozenset(fused), kv_repeated=kv_repeated, compiled=compiled,
-                   loss_weight_copy=torch.device(device).type != "cuda")
+                   loss_kernel="cuda" if torch.device(device).type == "cuda" else "cpu")
 
 
 def _solve(cfg, cluster, p, run_dir, profile: ComputeProfile | None = None,

@@ -38,7 +38,8 @@ the compute dtype plus an fp32 copy for the loss: (norm + h e + V (e + 4) / tp) 
 loss through the fused linear + cross-entropy (models/llama/fused.py; tp = pp = 1), its forward
 already produces both gradients and keeps them for the backward instead of any logits: d/dW (V h, in
 the weight's dtype) and d/dh (h e T), while it runs one chunk of fp32 logits (fused.default_chunk
-rows of V) and, for a reduced-precision weight, an fp32 copy of W and an fp32 accumulator of d/dW.
+rows of V; on CUDA with their compute-dtype copy) and, for a reduced-precision weight, an fp32
+accumulator of d/dW and, on CPU, an fp32 copy of W (Kernels.loss_kernel).
 """
 from __future__ import annotations
 
@@ -49,8 +50,10 @@ from models.llama.config import LlamaConfig
 from models.llama.fused_ops import ALL_OPS, AUTO_OPS
 
 RECOMPUTE_MODES = ("none", "full", "selective")
-# models/llama/fused.py default_chunk: about 8M fp32 logits per chunk of the fused head's forward
+# models/llama/fused.py CHUNK_LOGITS (default_chunk): logits per chunk of the fused head's forward, on CPU
+# and on CUDA (not imported: the planner's CLI runs without torch)
 FUSED_CHUNK_LOGITS = 1 << 23
+FUSED_CHUNK_LOGITS_CUDA = 1 << 25
 
 
 @dataclass(frozen=True)
@@ -67,9 +70,10 @@ class Kernels:
     fused: frozenset = frozenset()
     kv_repeated: bool = False
     compiled: bool = False
-    # The fused loss's kernel multiplies by an fp32 copy of the head weight (the CPU kernel); the CUDA
-    # kernel multiplies in the compute dtype and only accumulates d/dW in fp32.
-    loss_weight_copy: bool = True
+    # Which fused-loss kernel runs: the CPU one multiplies by an fp32 copy of the head weight, in chunks
+    # of 8M logits; the CUDA one multiplies in the compute dtype (d/dW accumulated in fp32), in chunks of
+    # 32M logits held in fp32 and in the compute dtype (models/llama/fused.py default_chunk).
+    loss_kernel: str = "cpu"
 
     def describe(self) -> str:
         """One line for the planner's startup log and plan.txt: what the activations are priced for."""
@@ -248,19 +252,23 @@ class Workload:
     def head_activation_bytes(self) -> float:
         m, e, t = self.model, self.act_bytes, self.tokens_per_micro_batch
         if self.head_loss_fused:
-            rows = min(t, max(1, FUSED_CHUNK_LOGITS // m.vocab_size))  # fused.default_chunk
-            return m.vocab_size * m.dim * e + m.dim * e * t + rows * m.vocab_size * 4 + self.head_forward_only_bytes()
+            cuda = self.run_kernels.loss_kernel == "cuda"
+            rows = min(t, max(1, (FUSED_CHUNK_LOGITS_CUDA if cuda else FUSED_CHUNK_LOGITS) // m.vocab_size))
+            per_logit = 4 + e if cuda and e != 4 else 4  # fp32 logits, and on CUDA their compute-dtype copy
+            return (m.vocab_size * m.dim * e + m.dim * e * t + rows * m.vocab_size * per_logit
+                    + self.head_forward_only_bytes())
         return (self.norm_kept_bytes() + m.dim * e + m.vocab_size * (e + 4) / self.tp) * t
 
     def head_forward_only_bytes(self) -> float:
         """The fused head's forward working tensors that are gone before its backward: in bf16/fp16 the
         fp32 d/dW accumulator, and on CPU the fp32 copy of the weight it multiplies by (Kernels.
-        loss_weight_copy). Its backward holds only the d/dW and d/dh the forward kept. Measured on an H100
+        loss_kernel). Its backward holds only the d/dW and d/dh the forward kept. Measured on an H100
         (1.07B, seq 4096, bf16): the head's forward peaked at 0.81 GiB with the 0.49 GiB accumulator; the
         backward's peak had none of it."""
         if not self.head_loss_fused or self.act_bytes == 4:
             return 0.0
-        return (2 if self.run_kernels.loss_weight_copy else 1) * self.model.vocab_size * self.model.dim * 4
+        copies = 1 if self.run_kernels.loss_kernel == "cuda" else 2  # the accumulator (+ the CPU's W copy)
+        return copies * self.model.vocab_size * self.model.dim * 4
 
     def block_backward_transient_bytes(self) -> float:
         """A block's backward working tensors beside its saved activations while its weight gradients

@@ -278,10 +278,15 @@ def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.ops.amsp_fused.swiglu_fwd(a, b)
 
 
-def default_chunk(vocab: int) -> int:
-    # About 8M logits (32 MiB in fp32) per chunk: large enough for efficient matmuls, small next
-    # to the full (tokens x vocab) block it replaces.
-    return max(1, (1 << 23) // max(vocab, 1))
+CHUNK_LOGITS = {"cpu": 1 << 23, "cuda": 1 << 25}  # amsp/planner/workload.py prices the same
+
+
+def default_chunk(vocab: int, device_type: str = "cpu") -> int:
+    # About 8M logits (32 MiB in fp32) per chunk on CPU: large enough for efficient matmuls, small next
+    # to the full (tokens x vocab) block it replaces. 32M on CUDA: each chunk adds its d/dW (vocab x dim)
+    # into the fp32 accumulator, and at 8M that was 16 passes of 131M elements per micro-batch for
+    # LLaMA-2 (36 ms of a 428 ms H100 step); a chunk's logits cost 6 bytes each there (fp32 + bf16).
+    return max(1, CHUNK_LOGITS.get(device_type, CHUNK_LOGITS["cpu"]) // max(vocab, 1))
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -301,7 +306,7 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
                        else torch.nn.functional.linear(h, weight), targets)
     h2 = h.reshape(-1, h.shape[-1])
     compute_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    chunk = chunk or default_chunk(weight.shape[0])
+    chunk = chunk or default_chunk(weight.shape[0], h.device.type)
     loss, _, _ = torch.ops.amsp_fused.linear_cross_entropy_fwd(h2, weight, targets.reshape(-1), ignore_index,
                                                                chunk, compute_grad)
     return loss

@@ -169,6 +169,16 @@ def test_head_memory_follows_the_loss_path_that_runs():
     assert eager.head_activation_bytes() == (2 * m.dim * 4 + m.vocab_size * 8) * t
     assert fused.loss_backward_transient_bytes() == 0
     assert eager.loss_backward_transient_bytes() == 2 * t * m.vocab_size * 4
+    # bf16 on CUDA: 4x the rows a chunk, each logit in fp32 and bf16, the fp32 d/dW accumulator during
+    # the forward (no fp32 copy of W: the CUDA kernel multiplies in bf16)
+    from amsp.planner.workload import FUSED_CHUNK_LOGITS_CUDA
+
+    cuda = workload("tiny", seq_len=256, mbs=2, micro_batches=1, precision="bf16",
+                    kernels=Kernels(frozenset(AUTO_OPS), loss_kernel="cuda"))
+    rows = min(t, FUSED_CHUNK_LOGITS_CUDA // m.vocab_size)
+    assert cuda.head_forward_only_bytes() == m.vocab_size * m.dim * 4
+    assert cuda.head_activation_bytes() == (m.vocab_size * m.dim * 2 + m.dim * 2 * t + rows * m.vocab_size * 6
+                                            + m.vocab_size * m.dim * 4)
     off = workload("tiny", seq_len=256, mbs=2, micro_batches=1, precision="fp32",
                    model_overrides={"fused": "off"})
     assert not off.head_loss_fused  # model.fused=off: the eager path, whatever the device offers
@@ -241,8 +251,8 @@ def test_startup_names_the_kernels_the_device_runs():
         "query head; blocks eager")
     if CUDA_EXTENSION.lib is None:
         # the CUDA loss kernel multiplies in the compute dtype: no fp32 copy of the head weight
-        assert kernels_for_model(cfg, "cuda", "bf16") == Kernels(frozenset(), kv_repeated=False, loss_weight_copy=False)
-        assert kernels_for_model(cfg, "cuda", "fp32") == Kernels(frozenset(), kv_repeated=True, loss_weight_copy=False)
+        assert kernels_for_model(cfg, "cuda", "bf16") == Kernels(frozenset(), kv_repeated=False, loss_kernel="cuda")
+        assert kernels_for_model(cfg, "cuda", "fp32") == Kernels(frozenset(), kv_repeated=True, loss_kernel="cuda")
 
 
 def test_compiled_blocks_keep_what_the_fused_kernels_keep():
