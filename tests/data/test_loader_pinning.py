@@ -25,7 +25,9 @@ def recorded(monkeypatch):
 
     def fake_pinned(t):
         seen["pinned"].append((threading.current_thread().name, tuple(t.shape), t.is_contiguous()))
-        return t.contiguous().clone()
+        out = t.contiguous().clone()
+        out.came_through_pinning = True  # what a test can check on the batch it is handed
+        return out
 
     monkeypatch.setattr(loader_mod, "_pinned", fake_pinned)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen["set_device"].append(
@@ -73,9 +75,10 @@ def test_cuda_loader_restarted_by_a_resume_still_pins(recorded):
     try:
         next(ld)
         ld.load_state_dict({"consumed_samples": 8})
-        before = len(recorded["pinned"])
-        next(ld)
-        assert len(recorded["pinned"]) > before
+        # The batch itself, not a count: the restarted thread may pin ahead before any count is read
+        # (a count taken after load_state_dict raced it and failed once in CI).
+        x, y = next(ld)
+        assert getattr(x, "came_through_pinning", False) and getattr(y, "came_through_pinning", False)
         assert len(recorded["set_device"]) == 2  # once per prefetch thread
     finally:
         ld.close()
