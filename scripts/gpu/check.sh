@@ -21,7 +21,8 @@
 # benchmark's shape for the planner's one-GPU recheck (predicted against measured step time and peak
 # memory), with PREDICT_ARGS as extra overrides. One device call brings back at most 8 files: with
 # several parts, send $OUT elsewhere and pack it, e.g.
-#     R=/tmp/res; mkdir -p $R; OUT=$R GPU_CHECK_PARTS=predict,memory,bench bash scripts/gpu/check.sh; tar czf $OUT/r.tgz -C $R .
+#     R=/tmp/res; mkdir -p $R; OUT=$R GPU_CHECK_PARTS=predict,memory,bench bash scripts/gpu/check.sh
+#     tar czf $OUT/r.tgz -C $R .
 # ).
 #
 # Time on a fresh machine: the gpu tests build the CPU extension (g++) and the CUDA kernels (nvcc) on first
