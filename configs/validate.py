@@ -160,6 +160,10 @@ def _cross_field_problems(cfg: DictConfig) -> list[str]:
         out.append(f"optim.min_lr={min_lr} is not allowed: expected at most optim.lr={lr}")
     if min_lr is None and OmegaConf.select(cfg, "optim.min_lr_ratio") is None:
         out.append("optim.min_lr and optim.min_lr_ratio are both null: set one (the cosine schedule's floor)")
+    seq, longest = OmegaConf.select(cfg, "data.seq_len"), OmegaConf.select(cfg, "model.max_seq_len")
+    if _number(seq) and _number(longest) and seq > longest:  # the RoPE tables stop at max_seq_len
+        out.append(f"data.seq_len={seq} is not allowed: expected at most model.max_seq_len={longest} "
+                   f"(raise model.max_seq_len or shorten data.seq_len)")
     out += _parallel_problems(cfg)
     init_from = OmegaConf.select(cfg, "trainer.init_from", default=None)
     if init_from is not None:  # a path that is neither an HF folder nor a checkpoint: named before any state

@@ -131,3 +131,15 @@ def test_hydra_composition_errors_are_one_line_with_exit_code_2(tmp_path, overri
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("config error: ") and names in lines[0], lines[0]
     assert not any(tmp_path.iterdir())
+
+
+def test_a_sequence_longer_than_the_model_takes_is_refused_before_the_run():
+    """data.seq_len past model.max_seq_len (the RoPE tables' length) was a Hydra traceback from inside
+    train.py after the run directory existed; it is a config problem, named with the fix."""
+    cfg = default_cfg()
+    cfg.data.seq_len = cfg.model.max_seq_len + 1
+    with pytest.raises(ConfigError, match=rf"data.seq_len={cfg.model.max_seq_len + 1} is not allowed: expected at "
+                                          rf"most model.max_seq_len={cfg.model.max_seq_len} \(raise"):
+        validate_config(cfg)
+    cfg.data.seq_len = cfg.model.max_seq_len
+    validate_config(cfg)
