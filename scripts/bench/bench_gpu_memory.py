@@ -84,7 +84,7 @@ def _measure(cfg, plan: Plan, world: int, seq: int, micro: int, steps: int, wind
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     t0 = time.perf_counter()
     eng = AMSPEngine(cfg, plan, Topology(world, world), rank=0, seed=0, device=device,
                      options=EngineOptions(precision="bf16", spread_window=window))
@@ -99,8 +99,10 @@ def _measure(cfg, plan: Plan, world: int, seq: int, micro: int, steps: int, wind
                 eng.forward_backward(x[:, :-1], x[:, 1:], m, micro)
             skipped += eng.step(1e-4).skipped
         torch.cuda.synchronize()
+        # reserved: what the caching allocator held from the device at its peak, fragmentation included;
+        # its excess over the allocated peak is what amsp.planner.memory_margin stands for
         return {"peak": torch.cuda.max_memory_allocated() - base, "skipped": skipped,
-                "seconds": time.perf_counter() - t0}
+                "reserved": torch.cuda.max_memory_reserved() - base_reserved, "seconds": time.perf_counter() - t0}
     finally:
         del eng
         gc.collect()
@@ -144,7 +146,8 @@ def main() -> None:
             try:
                 got = measure(cfg, plan, world, args.seq, args.micro, args.steps, args.window, compiled,
                               args.breakdown)
-                row.update(measured_gib=got["peak"] / GIB, skipped_steps=got["skipped"],
+                row.update(measured_gib=got["peak"] / GIB, reserved_gib=got["reserved"] / GIB,
+                           skipped_steps=got["skipped"],
                            error_pct=100 * (want - got["peak"]) / got["peak"], seconds=got["seconds"])
                 if "breakdown" in got:
                     row["breakdown"] = got["breakdown"]
@@ -155,14 +158,16 @@ def main() -> None:
     lines = [f"{args.preset} x {args.layers} layers, seq {args.seq}, {args.micro} micro-batches of 1, rank 0 of a "
              f"pretend world of {world}, bf16, spread window {args.window}, {torch.cuda.get_device_name()}",
              "", "| plan | checkpointing | compiled | predicted GiB (no reserve) | measured peak GiB | "
-             "prediction error | skipped steps |", "|---|---|---|---:|---:|---:|---:|"]
+             "prediction error | allocator reserved GiB (over the peak) | skipped steps |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r.get("measured_gib") is None:
             lines.append(f"| {r['plan']} | {r['checkpointing']} | {r['compiled']} | {r['predicted_gib']:.2f} | "
-                         f"{r['error']} | | |")
+                         f"{r['error']} | | | |")
         else:
             lines.append(f"| {r['plan']} | {r['checkpointing']} | {r['compiled']} | {r['predicted_gib']:.2f} | "
-                         f"{r['measured_gib']:.2f} | {r['error_pct']:+.1f}% | {r['skipped_steps']} |")
+                         f"{r['measured_gib']:.2f} | {r['error_pct']:+.1f}% | {r['reserved_gib']:.2f} "
+                         f"({100 * (r['reserved_gib'] / r['measured_gib'] - 1):+.1f}%) | {r['skipped_steps']} |")
     table = "\n".join(lines)
     print(table)
     if args.out:
