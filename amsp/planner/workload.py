@@ -47,13 +47,12 @@ from dataclasses import dataclass
 
 from amsp.schedule import Precision, Unit
 from models.llama.config import LlamaConfig
-from models.llama.fused_ops import ALL_OPS, AUTO_OPS
+from models.llama.fused_ops import ALL_OPS, AUTO_OPS, CHUNK_LOGITS
 
 RECOMPUTE_MODES = ("none", "full", "selective")
-# models/llama/fused.py CHUNK_LOGITS (default_chunk): logits per chunk of the fused head's forward, on CPU
-# and on CUDA (not imported: the planner's CLI runs without torch)
-FUSED_CHUNK_LOGITS = 1 << 23
-FUSED_CHUNK_LOGITS_CUDA = 1 << 25
+# logits per chunk of the fused head's forward (fused.default_chunk), on CPU and on CUDA
+FUSED_CHUNK_LOGITS = CHUNK_LOGITS["cpu"]
+FUSED_CHUNK_LOGITS_CUDA = CHUNK_LOGITS["cuda"]
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from .fused_ops import ALL_OPS, AUTO_OPS, CUDA_COMPILED_REFERENCE_OPS
+from .fused_ops import ALL_OPS, AUTO_OPS, CHUNK_LOGITS, CUDA_COMPILED_REFERENCE_OPS
 
 log = logging.getLogger(__name__)
 
@@ -278,14 +278,8 @@ def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.ops.amsp_fused.swiglu_fwd(a, b)
 
 
-CHUNK_LOGITS = {"cpu": 1 << 23, "cuda": 1 << 25}  # amsp/planner/workload.py prices the same
-
-
 def default_chunk(vocab: int, device_type: str = "cpu") -> int:
-    # About 8M logits (32 MiB in fp32) per chunk on CPU: large enough for efficient matmuls, small next
-    # to the full (tokens x vocab) block it replaces. 32M on CUDA: each chunk adds its d/dW (vocab x dim)
-    # into the fp32 accumulator, and at 8M that was 16 passes of 131M elements per micro-batch for
-    # LLaMA-2 (36 ms of a 428 ms H100 step); a chunk's logits cost 6 bytes each there (fp32 + bf16).
+    """Rows of logits per chunk: fused_ops.CHUNK_LOGITS says why these sizes."""
     return max(1, CHUNK_LOGITS.get(device_type, CHUNK_LOGITS["cpu"]) // max(vocab, 1))
 
 

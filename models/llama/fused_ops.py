@@ -4,6 +4,14 @@ from __future__ import annotations
 
 ALL_OPS = ("rms_norm", "rope", "swiglu", "linear_cross_entropy")
 
+# Logits per chunk of the fused linear + cross-entropy (fused.default_chunk), by device type; the planner
+# prices the same chunk (amsp/planner/workload.py). About 8M (32 MiB in fp32) on CPU: large enough for
+# efficient matmuls, small next to the full (tokens x vocab) block it replaces. 32M on CUDA: each chunk
+# adds its d/dW (vocab x dim) into the fp32 accumulator, and at 8M that was 16 passes of 131M elements
+# per micro-batch for LLaMA-2 (36 ms of a 428 ms H100 step); a chunk's logits cost 6 bytes each there
+# (fp32 + bf16).
+CHUNK_LOGITS = {"cpu": 1 << 23, "cuda": 1 << 25}
+
 # What `model.fused=auto` enables: only ops that beat eager by >= 1.2x in time or peak memory in
 # scripts/bench/bench_fused.py on this project's CPU machines. Measurements and the derivation:
 # BENCHMARKS.md, section "csrc fused CPU ops". Re-run the benchmark and update both together.
