@@ -316,8 +316,7 @@ class CostModel:
         flight, as buffer_pairs with their offsets; and the head, first in the backward, filling alone."""
         events = [(pair[:2], pair[0], off) for pair, off in zip(self.buffer_pairs(), self.bucket_pair_offsets())]
         if "head" in self._numel:
-            alone = self.w.head_forward_only_bytes() if self.w.frees_activations_in_backward else 0.0
-            events.append((("head",), "head", alone))
+            events.append((("head",), "head", self.w.activations_freed_before(("head",))))
         return events
 
     def bucket_pair_offsets(self) -> list[float]:
@@ -333,15 +332,8 @@ class CostModel:
         if self.w.embedding_gradient_comes_last:
             credit = self.constant_memory()["activations"] - self.w.activation_bytes_at_embedding_backward()
             offsets = [credit if pair == ("embedding", "block") else 0.0 for pair in pairs]
-        if self.w.frees_activations_in_backward and "head" in self._numel:
-            # The head's backward is over (its activations freed) when the last block's gradients fill;
-            # when the next block's fill, the last block's own activations are gone too.
-            head = self.w.head_activation_bytes()
-            for i, pair in enumerate(pairs):
-                if pair == ("block", "head"):
-                    offsets[i] = head
-                elif pair == ("block", "block"):
-                    offsets[i] = head + self.w.layer_activation_bytes()
+        if "head" in self._numel:  # what the backward freed before each block pair (Workload's rule)
+            offsets = [off + self.w.activations_freed_before(pair) for pair, off in zip(pairs, offsets)]
         return offsets
 
     def peak_grad_buckets(self, buckets: dict, fills: dict) -> float:

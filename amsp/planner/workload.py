@@ -276,6 +276,23 @@ class Workload:
         dim 4096, ffn 11008, 4096 tokens, bf16, exactly these two)."""
         return 2 * self.tokens_per_micro_batch * self.model.ffn_hidden_dim / self.tp * self.act_bytes
 
+    def activations_freed_before(self, roles: tuple[str, ...]) -> float:
+        """Activation bytes already freed when a gradient-bucket event happens (roles: the unit filling,
+        then the one in flight; cost_model.bucket_events), where the model has a head of its own: the
+        fused head alone has dropped its forward's working tensors; the last block fills once the head's
+        backward freed the head's activations; the next block once the last block's are gone too.
+        Nothing where frees_activations_in_backward says no (the untied embedding's own credit:
+        CostModel.bucket_pair_offsets)."""
+        if not self.frees_activations_in_backward:
+            return 0.0
+        if roles == ("head",):
+            return self.head_forward_only_bytes()
+        if roles == ("block", "head"):
+            return self.head_activation_bytes()
+        if roles == ("block", "block"):
+            return self.head_activation_bytes() + self.layer_activation_bytes()
+        return 0.0
+
     @property
     def frees_activations_in_backward(self) -> bool:
         """Whether the gradient-bucket events are priced beside only the activations still alive when

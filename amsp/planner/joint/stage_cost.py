@@ -173,10 +173,12 @@ class StagePricer:
         self.largest = {role: w.largest_param_numel(role) for role in ("embedding", "block", "head")}
         self.embedding_last = w.embedding_gradient_comes_last
         self.head_fused = w.head_loss_fused
-        # activations freed before a gradient bucket peaks (cost_model.bucket_pair_offsets) and a block's
-        # backward working tensors beside its filling buffer (cost_model.grad_fill_bytes)
-        self.frees_in_backward = w.frees_activations_in_backward
-        self.head_forward_only = w.head_forward_only_bytes()
+        # activations freed before a gradient bucket peaks (Workload.activations_freed_before), per
+        # recomputation, and a block's backward working tensors beside its filling buffer
+        # (cost_model.grad_fill_bytes)
+        self.freed = {rc: {roles: wk.activations_freed_before(roles)
+                           for roles in (("head",), ("block", "head"), ("block", "block"))}
+                      for rc, wk in ((False, w), (True, wf))}
         self.block_working = w.block_backward_transient_bytes()
 
     # ---- compute ----
@@ -227,16 +229,11 @@ class StagePricer:
             grad_pairs = [x * prec.param_bytes + w for x, w in zip(_adjacent_pairs(one), working)]
             if separate_head:
                 grad_pairs.append(lh * prec.param_bytes)
-        if self.frees_in_backward and separate_head:
-            # what is freed before each bucket event (cost_model.bucket_pair_offsets / bucket_events): the
-            # head's activations once the last block fills, and a block's once the one before it fills
+        if separate_head:  # what is freed before each bucket event (as cost_model.bucket_events)
+            freed = self.freed[recompute]
             for i in range(len(roles) - 1):
-                pair = (roles[i], roles[i + 1])
-                if pair == ("block", "head"):
-                    grad_pairs[i] -= self.head_act
-                elif pair == ("block", "block"):
-                    grad_pairs[i] -= self.head_act + self.layer_act[recompute]
-            grad_pairs[-1] -= self.head_forward_only
+                grad_pairs[i] -= freed.get((roles[i], roles[i + 1]), 0.0)
+            grad_pairs[-1] -= freed[("head",)]
         # the untied embedding's pair arrives last in the backward, beside only the other micro-batches
         # in flight and the receive buffers (Workload.embedding_gradient_comes_last)
         last = embed and not tied_here and len(order) > 1 and self.embedding_last
