@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -35,6 +34,7 @@ from models.llama.init import init_slice_into
 from models.llama.model import Llama
 
 from .collectives import Comm, CommStats
+from .engine_hooks import EngineHook
 from .flat_unit import FlatUnit, ParamSlot
 from .fragments import Fragment, load_fragment, unit_fragments
 from .grad_accumulate import describe as describe_accumulation
@@ -47,36 +47,6 @@ from .sharded_optim import AdamWSettings, ShardedAdamW, StepResult
 from .topology import Topology
 
 log = logging.getLogger(__name__)
-
-
-class _EngineHook:
-    """A module or parameter hook that calls an engine method without keeping the engine alive.
-
-    Parameter hooks live in autograd's C++ objects, which Python's garbage collector cannot traverse: a
-    hook holding the engine (or a unit, which holds the parameters) closes a cycle engine -> model ->
-    parameter -> hook -> engine that no gc.collect() frees, so a dropped engine kept every byte of its
-    device memory (seen on an H100: 32 GB still allocated after the benchmark deleted the engine). The
-    hook holds the engine weakly and its units by position in engine.units."""
-
-    __slots__ = ("_engine", "_method", "_args")
-
-    def __init__(self, engine: "AMSPEngine", method: str, *args):
-        index = {id(u): i for i, u in enumerate(engine.units)}
-        self._engine = weakref.ref(engine)
-        self._method = method
-        self._args = tuple(_UnitAt(index[id(a)]) if isinstance(a, FlatUnit) else a for a in args)
-
-    def __call__(self, *hook_args):
-        engine = self._engine()
-        if engine is None:  # the engine is gone; its model may outlive it (e.g. the caller kept it)
-            return None
-        args = (engine.units[a.index] if isinstance(a, _UnitAt) else a for a in self._args)
-        return getattr(engine, self._method)(*args, *hook_args)
-
-
-@dataclass(frozen=True)
-class _UnitAt:
-    index: int
 
 PRECISIONS = ("auto", "fp32", "bf16")
 
@@ -277,13 +247,14 @@ class AMSPEngine:
         return None
 
     def _install_hooks(self) -> None:
+        hook = EngineHook.factory(self)  # holds the engine weakly: amsp/engine_hooks.py says why
         for i, u in enumerate(self._fwd_order):
             nxt = self._next_in_chunk(self._fwd_order, i)
             for j, mod in enumerate(u.modules):
-                mod.register_forward_pre_hook(_EngineHook(self, "_pre_forward", u, nxt if j == 0 else None))
-                mod.register_forward_hook(_EngineHook(self, "_post_forward", u, j == len(u.modules) - 1))
+                mod.register_forward_pre_hook(hook("_pre_forward", u, nxt if j == 0 else None))
+                mod.register_forward_hook(hook("_post_forward", u, j == len(u.modules) - 1))
             for s in u.slots:
-                u.param(s).register_post_accumulate_grad_hook(_EngineHook(self, "_grad_ready", u, s))
+                u.param(s).register_post_accumulate_grad_hook(hook("_grad_ready", u, s))
         self._bwd_next = {id(u): self._next_in_chunk(self._bwd_order, i) for i, u in enumerate(self._bwd_order)}
 
     def _log_choices(self) -> None:
