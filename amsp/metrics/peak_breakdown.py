@@ -11,10 +11,15 @@ prediction error is traced to the term that is wrong rather than guessed at.
     with recorded_allocations() as rec:
         ...train a step...
     peak, rows = peak_breakdown(rec.snapshot)
+
+live_cuda_tensors() answers the other question, what keeps memory after its owner was deleted.
 """
 from __future__ import annotations
 
+import gc
 import os
+import types
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -98,3 +103,39 @@ def format_breakdown(peak: int, rows: list[tuple[str, int, int]]) -> str:
     lines = [f"peak {peak / gib:.3f} GiB allocated by the recorded code; alive at the peak, by origin:"]
     lines += [f"  {b / gib:8.3f} GiB  {n:5d} blocks  {origin}" for origin, b, n in rows]
     return "\n".join(lines)
+
+
+def _is_cuda_tensor(obj) -> bool:
+    try:
+        return isinstance(obj, torch.Tensor) and obj.is_cuda
+    except Exception:  # noqa: BLE001 - proxies and half-built objects can raise anything here
+        return False
+
+
+def live_cuda_tensors(top: int = 6) -> str:
+    """The largest CUDA tensors Python still reaches, by (shape, dtype), with what refers to one of each
+    (two levels of referrer types): what keeps a freed variant's memory."""
+    groups: dict[tuple, list] = {}
+    with warnings.catch_warnings():  # isinstance() on deprecated module attributes warns
+        warnings.simplefilter("ignore")
+        objects = [o for o in gc.get_objects() if _is_cuda_tensor(o)]
+    for obj in objects:
+        try:
+            key = (tuple(obj.shape), str(obj.dtype).removeprefix("torch."))
+            g = groups.setdefault(key, [0, 0, obj])
+            g[0] += obj.untyped_storage().nbytes()
+            g[1] += 1
+        except RuntimeError:  # e.g. a tensor subclass without storage
+            continue
+    del objects
+    lines = []
+    for (shape, dtype), (nbytes, count, example) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
+        refs, mine = [], [groups, *groups.values()]  # this function's own bookkeeping
+        for r in gc.get_referrers(example):
+            if isinstance(r, types.FrameType) or any(r is m for m in mine):
+                continue
+            up = [type(r2).__name__ for r2 in gc.get_referrers(r) if r2 is not groups][:3]
+            refs.append(f"{type(r).__name__}{'<' + ','.join(up) + '>' if up else ''}")
+        lines.append(f"  {count} x {shape} {dtype}: {nbytes / 2**20:.0f} MiB (storage); referred to by "
+                     f"{', '.join(refs[:4]) or 'nothing Python sees'}")
+    return "\n".join(lines) or "  no CUDA tensor reachable from Python (held by C++: autograd graph, caches)"

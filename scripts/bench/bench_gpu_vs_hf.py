@@ -305,48 +305,12 @@ def measure(name: str, args, cfg: LlamaConfig, device: torch.device, batch) -> d
     free_memory(device)
     left_after = torch.cuda.memory_allocated() if cuda else 0
     if left_after - left_before > 256 * 2**20:
+        from amsp.metrics.peak_breakdown import live_cuda_tensors
+
         log.warning("%s: still alive after it was freed:\n%s", name, live_cuda_tensors())
     return {"build_s": built, "first_step_s": first, "wall_s": wall, "step_s": step_s,
             "optimizer_share": sum(optim_s) / sum(step_s), "peak_steady": peak_steady, "peak_window": peak_window,
             "skipped_steps": skipped, "allocated_before": left_before, "allocated_after": left_after}
-
-
-def _is_cuda_tensor(obj) -> bool:
-    try:
-        return isinstance(obj, torch.Tensor) and obj.is_cuda
-    except Exception:  # noqa: BLE001 - proxies and half-built objects can raise anything here
-        return False
-
-
-def live_cuda_tensors(top: int = 6) -> str:
-    """The largest CUDA tensors Python still reaches, by (shape, dtype), with what refers to one of each
-    (two levels of referrer types): what keeps a freed variant's memory."""
-    groups: dict[tuple, list] = {}
-    import warnings
-
-    with warnings.catch_warnings():  # isinstance() on deprecated module attributes warns
-        warnings.simplefilter("ignore")
-        objects = [o for o in gc.get_objects() if _is_cuda_tensor(o)]
-    for obj in objects:
-        try:
-            key = (tuple(obj.shape), str(obj.dtype).removeprefix("torch."))
-            g = groups.setdefault(key, [0, 0, obj])
-            g[0] += obj.untyped_storage().nbytes()
-            g[1] += 1
-        except RuntimeError:  # e.g. a tensor subclass without storage
-            continue
-    del objects
-    lines = []
-    for (shape, dtype), (nbytes, count, example) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
-        refs, mine = [], [groups, *groups.values()]  # this function's own bookkeeping
-        for r in gc.get_referrers(example):
-            if isinstance(r, type(sys._getframe())) or any(r is m for m in mine):
-                continue
-            up = [type(r2).__name__ for r2 in gc.get_referrers(r) if r2 is not groups][:3]
-            refs.append(f"{type(r).__name__}{'<' + ','.join(up) + '>' if up else ''}")
-        lines.append(f"  {count} x {shape} {dtype}: {nbytes / 2**20:.0f} MiB (storage); referred to by "
-                     f"{', '.join(refs[:4]) or 'nothing Python sees'}")
-    return "\n".join(lines) or "  no CUDA tensor reachable from Python (held by C++: autograd graph, caches)"
 
 
 def profile_step(name: str, path: str, step, batch, clock: Clock, device: torch.device) -> None:
