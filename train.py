@@ -230,14 +230,17 @@ def run(cfg: DictConfig) -> None:
     # rank's stage (amsp/parallel/setup.py); the DeviceMesh DTensor needs is made once (collective).
     device_mesh = mesh.device_mesh(device.type) if mesh is not None and mesh.tp > 1 else None
 
-    def build_engine(p):
-        parts = None if mesh is None else model_parts(model_cfg, cfg.parallel, mesh, denv.rank, device, device_mesh,
-                                                      seq_len=seq_len)
-        return engine_from_config(cfg.amsp, cfg.optim, cfg.trainer.dtype, model_cfg, denv, device, cfg.trainer.seed,
-                                  plan=p, compile=cfg.model.compile, mesh=mesh, parts=parts)
+    def build_engine(p):  # at startup and at a plan switch
+        def build():
+            parts = None if mesh is None else model_parts(model_cfg, cfg.parallel, mesh, denv.rank, device,
+                                                          device_mesh, seq_len=seq_len)
+            return engine_from_config(cfg.amsp, cfg.optim, cfg.trainer.dtype, model_cfg, denv, device,
+                                      cfg.trainer.seed, plan=p, compile=cfg.model.compile, mesh=mesh, parts=parts)
+
+        return build_or_explain_oom(build, cfg, denv, device, p)
 
     construction_started, compiled_before = time.perf_counter(), compile_seconds()
-    engine = build_or_explain_oom(lambda: build_engine(plan), cfg, denv, device, plan)
+    engine = build_engine(plan)
     engine_built_s = time.perf_counter() - construction_started
     # Pipeline parallelism: the schedule runs a step's micro-batches through this rank's stage(s).
     runner = pipeline_runner(engine, mesh, denv.rank, cfg.parallel, accum, seq_len, mbs)
@@ -388,9 +391,7 @@ def run(cfg: DictConfig) -> None:
                 save(step)
             if replanner.switch_due(step):  # a plan predicted >= 5% faster: through a checkpoint, as a resume
                 old_plan = engine.plan
-                engine = replanner.switch(engine, step, save, ckpt,
-                                          build=lambda p: build_or_explain_oom(lambda: build_engine(p), cfg, denv,
-                                                                               device, p),
+                engine = replanner.switch(engine, step, save, ckpt, build=build_engine,
                                           load=lambda path, e: load_training_state(ckpt, path, e))
                 if engine.plan is not old_plan:
                     log_switch(wandb_run, engine.plan, old_plan, cfg.amsp.plan, step, replanner.reason)
