@@ -15,7 +15,9 @@ holding its shards, and its parameters become views of the unit's gathered buffe
 After backward the pipeline is drained; step() waits for the sync, runs the sharded AdamW and the
 parameter spread, at most `spread_window` units in flight in forward order (synchronously, or
 overlapped with the next forward unit by unit, guarded by a per-unit version that must equal the
-optimizer's step count before the unit may run).
+optimizer's step count before the unit may run). With overlap_update the AdamW update itself moves
+into the next forward too, unit by unit (amsp/overlapped_update.py); step() then computes only the
+global norm.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from .fragments import Fragment, load_fragment, unit_fragments
 from .grad_accumulate import describe as describe_accumulation
 from .groups import ensure_groups, unit_groups
 from .optim import decays
+from .overlapped_update import OverlappedUpdates
 from .parallel.tp_slices import TPSlot, tp_slot_of
 from .plan import Plan, validate_degrees
 from .schedule import Precision, Unit
@@ -101,6 +104,9 @@ class EngineOptions:
     # Units whose spread may be in flight at once (each holds a received S/p buffer, plus the master's
     # cast in bf16): launched in forward order, each completion launches the next.
     spread_window: int = 2
+    # Each unit's AdamW update (and its spread) runs at the unit's next forward instead of in step():
+    # on CUDA on a side stream beside the forward (amsp/overlapped_update.py). Implies a lazy spread.
+    overlap_update: bool = False
     prefetch: bool = True  # prefetch the next unit's P all-gather in forward and backward
     # Gradient reduce-scatters (and the last micro-batch's hierarchical sync) run in the background
     # of the remaining backward; False waits for each as soon as it is launched (for benchmarks).
@@ -146,6 +152,7 @@ class AMSPEngine:
         self._materialise(seed)
         world = tuple(range(mesh.world)) if mesh is not None else None
         self.optim = ShardedAdamW(self.units, options.optim, self.comm, norm_ranks=world)
+        self._updates = OverlappedUpdates(self.optim, self.units, self.device)
         self._fwd_order = self.units
         self._bwd_order = sorted(self.units, key=lambda u: self._module_pos[id(u.modules[-1])], reverse=True)
         self._chunk = {id(u): c for u, c in zip(self.units, self._unit_chunks)}
@@ -267,6 +274,8 @@ class AMSPEngine:
                  on[self.options.prefetch], on[self.options.async_grad_reduce], on[self.options.overlap_spread],
                  self.options.spread_window)
         log.info("gradient accumulation into the fp32 G shards: %s", describe_accumulation(self.device))
+        log.info("optimizer update: %s", self._updates.describe() if self.options.overlap_update
+                 else "in step(), every unit at once")
         for grp in ("blocks", "embed_head"):
             us = [u for u in self.units if u.group == grp]
             if us:
@@ -276,15 +285,17 @@ class AMSPEngine:
     # ---- parameter spread: a bounded window in forward order ----
     def _start_spread(self) -> None:
         """Queue every unit's spread (forward order), book all of them on this step, launch the first
-        window of them."""
+        window of them. Spreads already launched with their overlapped update (local copies on the
+        update stream) are not queued: they hold no buffer, so they take no place in the window."""
         for u in self._fwd_order:
             u.book_spread()
-        self._spread_queued = list(self._fwd_order)
+        self._spread_queued = [u for u in self._fwd_order if not u.spread_pending]
         self._fill_spread_window()
 
     def _fill_spread_window(self) -> None:
         while self._spread_queued and len(self._spread_in_flight) < self.options.spread_window:
             u = self._spread_queued.pop(0)
+            self._updates.take(u)  # a deferred update first: the spread sends the new master
             u.launch_spread()  # booked on its step by _start_spread
             self._spread_in_flight.append(u)
 
@@ -295,6 +306,8 @@ class AMSPEngine:
             oldest = self._spread_in_flight.pop(0)
             oldest.finish_spread()
             self._fill_spread_window()
+        if self._updates.take(u):  # its spread was launched with its update, on the update stream
+            u.finish_spread()
         if u.version != self.optim.steps:
             raise RuntimeError(f"AMSP guard: unit {u.name} holds weights of optimizer step {u.version} but "
                                f"{self.optim.steps} steps were applied; refusing to run on stale weights")
@@ -473,26 +486,34 @@ class AMSPEngine:
         self._synced_last = True
 
     def step(self, lr: float) -> StepResult:
-        """Wait for the gradient sync, AdamW on the OS shards, then spread the new weights."""
+        """Wait for the gradient sync, AdamW on the OS shards, then spread the new weights (with
+        overlap_update: the global norm only; each unit's update and spread wait for its next forward)."""
         if not self._synced_last:
             raise RuntimeError("AMSP: step() needs a completed last micro-batch (micro_index == num_micro - 1)")
         for u in self.units:
             u.finish_sync()
         self.finish_spread()  # a no-op after a forward; the optimizer must not write a master being sent
-        result = self.optim.step(lr)
-        for u in self.units:
-            u.zero_grad_state()
+        if self.options.overlap_update:
+            prepared = self.optim.prepare(lr)
+            result = prepared.result
+            if not result.skipped:  # each unit's OS gradient is dropped when its update is taken
+                self._updates.defer(prepared, self._fwd_order, lambda u: u.deg.os == u.deg.p)
+        else:
+            result = self.optim.step(lr)
+        if not self._updates.pending:
+            for u in self.units:
+                u.zero_grad_state()
         if not result.skipped:
             self._start_spread()
-            if not self.options.overlap_spread:
+            if not (self.options.overlap_spread or self.options.overlap_update):
                 self.finish_spread()
         self._accumulating = self._synced_last = False
         self._last_stats = self.comm.close_step()
         return result
 
     def finish_spread(self) -> None:
-        """Complete every pending spread in forward order, the window refilling as each lands (done
-        lazily per unit by the forward pre-hook when the spread overlaps forward)."""
+        """Complete every pending update and spread in forward order, the window refilling as each lands
+        (done lazily per unit by the forward pre-hook when they overlap the forward)."""
         for u in self.units:
             self._ensure_fresh(u)
 

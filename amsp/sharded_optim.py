@@ -15,6 +15,9 @@ One step is two multi-tensor kernel launches and one host sync:
     least 1, computed on the device from the all-reduced norm. Scaling lr instead would not be
     clipping: Adam's update is invariant to a constant gradient scale except through eps, and the
     moments would keep the unclipped gradients.
+The update can also run unit by unit after the norm (`prepare` then `update(prepared, [i])`): the
+engine's overlapped update (EngineOptions.overlap_update) defers each unit's to just before that unit
+is next needed, on a side CUDA stream. Element by element it is the same arithmetic either way.
 Where the device has no fused kernel, the same lists go through torch._foreach_* ops (one pass per
 op, unit by unit so the one temporary, the denominator, stays one unit's chunk); the choice is
 logged once. Either way the OS gradients are left divided by the clip scale (the fused kernel writes
@@ -49,6 +52,13 @@ class StepResult:
     grad_norm: float  # global L2 norm of the gradient before clipping
     skipped: bool  # True when the norm was not finite: no parameter or moment was changed
     lr: float
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """A step whose norm, clip scale and step count are settled; its updates may still be pending."""
+    result: StepResult
+    scale: torch.Tensor | None  # the clip divisor on the device (None: clipping off)
 
 
 def fused_adamw_available(device: torch.device) -> bool:
@@ -123,19 +133,30 @@ class ShardedAdamW:
             self.comm.all_reduce(total, self.norm_ranks, "grad_norm").wait()
         return total
 
-    def _lists(self, decay: bool) -> tuple[list, list, list, list]:
-        """(params, grads, exp_avgs, exp_avg_sqs): views of every unit's runs of this decay class."""
+    def _lists(self, decay: bool, which: list[int]) -> tuple[list, list, list, list]:
+        """(params, grads, exp_avgs, exp_avg_sqs): views of the runs of this decay class of units `which`."""
         lists: tuple[list, list, list, list] = ([], [], [], [])
-        for u, runs, (m, a, s) in zip(self.units, self._runs, self._state):
+        for i in which:
+            u, runs, (m, a, s) = self.units[i], self._runs[i], self._state[i]
             g = self._split(u.os_grad, runs)
-            for i, (_, d) in enumerate(runs):
+            for j, (_, d) in enumerate(runs):
                 if d == decay:
                     for out, t in zip(lists, (m, g, a, s)):
-                        out.append(t[i])
+                        out.append(t[j])
         return lists
 
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
+        """The norm, then every unit's update (two kernel launches in all with the fused kernel)."""
+        prepared = self.prepare(lr)
+        if not prepared.result.skipped:
+            self.update(prepared)
+        return prepared.result
+
+    @torch.no_grad()
+    def prepare(self, lr: float) -> PreparedStep:
+        """The global norm and the clip scale, the step's one host sync, and the step count; no
+        parameter or moment changes here. A skipped step (norm not finite) counts nothing."""
         total = self._global_sq_norm()
         scale = None
         if self.s.grad_clip > 0:
@@ -143,16 +164,25 @@ class ShardedAdamW:
             scale = (total.sqrt().add_(1e-6).div_(self.s.grad_clip)).clamp_(min=1.0).reshape(())
         sq = total.item()  # the step's one host sync
         if not math.isfinite(sq):
-            return StepResult(float("nan"), True, lr)
-        norm = math.sqrt(max(sq, 0.0))
+            return PreparedStep(StepResult(float("nan"), True, lr), None)
         self.steps += 1
         self._step_t.fill_(self.steps)
+        return PreparedStep(StepResult(math.sqrt(max(sq, 0.0)), False, lr), scale)
+
+    @torch.no_grad()
+    def update(self, prepared: PreparedStep, which: list[int] | None = None) -> None:
+        """AdamW on the OS shards of units `which` (indices into units; None: all) for a prepared step.
+        Each unit's update reads only its own OS gradient and state, so the units may go one at a time
+        in any order, as long as each goes once and before the next prepare()."""
+        if prepared.result.skipped:
+            raise RuntimeError("AdamW: a skipped step has no update to apply")
+        which = list(range(len(self.units))) if which is None else which
+        lr = prepared.result.lr
         if self.kernel == "fused":
-            self._fused(*self._lists(True), lr, self.s.weight_decay, scale)
-            self._fused(*self._lists(False), lr, 0.0, scale)
+            self._fused(*self._lists(True, which), lr, self.s.weight_decay, prepared.scale)
+            self._fused(*self._lists(False, which), lr, 0.0, prepared.scale)
         else:
-            self._foreach(lr, scale)
-        return StepResult(norm, False, lr)
+            self._foreach(which, lr, prepared.scale)
 
     def _fused(self, params, grads, avgs, sqs, lr: float, wd: float, scale: torch.Tensor | None) -> None:
         if not params:
@@ -162,12 +192,13 @@ class ShardedAdamW:
                             weight_decay=wd, eps=self.s.eps, amsgrad=False, maximize=False, grad_scale=scale,
                             found_inf=None)
 
-    def _foreach(self, lr: float, scale: torch.Tensor | None) -> None:
+    def _foreach(self, which: list[int], lr: float, scale: torch.Tensor | None) -> None:
         """torch.optim.AdamW's foreach algorithm, one unit at a time (its temporary: one denominator)."""
         b1, b2 = self.s.betas
         bc1 = 1 - b1 ** self.steps
         bc2_sqrt = math.sqrt(1 - b2 ** self.steps)
-        for u, runs, (params, avgs, sqs) in zip(self.units, self._runs, self._state):
+        for i in which:
+            u, runs, (params, avgs, sqs) = self.units[i], self._runs[i], self._state[i]
             grads = self._split(u.os_grad, runs)
             if scale is not None:
                 torch._foreach_div_(grads, scale)

@@ -64,6 +64,10 @@ def test_every_plan_4_ranks_as_2_nodes_of_2():
         # Tied embeddings: the embedding and head share one unit, gathered from embedding to head.
         {"blocks": (1, 2, 4), "embed_head": (2, 2, 4), "steps": 5, "tie": True, "ckpt": "full"},
         {"blocks": (4, 4, 4), "steps": 5, "tie": True, "overlap": True},
+        # The update deferred to the next forward (amsp/overlapped_update.py): gathered spreads (os < p
+        # is not valid; os > p gathers), local spreads, mixed groups.
+        {"blocks": (1, 1, 4), "embed_head": (2, 2, 2), "steps": 8, "update": True},
+        {"blocks": (4, 4, 4), "steps": 8, "update": True, "ckpt": "full"},
         # bf16 compute against the fp32 reference: memory and accounting exact, losses only close
         # (tests/amsp/test_bf16_reference.py holds bf16 plans to a bf16 reference, tightly).
         {"blocks": (2, 2, 4), "embed_head": (1, 2, 2), "steps": 8, "precision": "bf16", "tol": 3e-2},

@@ -25,19 +25,25 @@ def test_tiny_cpu_run_measures_every_requested_variant(tmp_path):
     out_json, out_md = tmp_path / "bench.json", tmp_path / "bench.md"
     # The eager compile backend traces hf_compiled with dynamo without inductor's C++ build, which
     # alone takes a minute on two cores; the GPU run uses inductor.
-    cmd = [sys.executable, SCRIPT, "--tiny", "--device", "cpu", "--threads", "1", "--variants", "ours,hf,hf_compiled",
+    cmd = [sys.executable, SCRIPT, "--tiny", "--device", "cpu", "--threads", "1", "--variants",
+           "ours,ours_overlap_update,ours_no_optimizer,hf,hf_compiled",
            "--compile-backend", "eager", "--peak-tflops", "0.05", "--json", str(out_json), "--markdown", str(out_md)]
     env = {**os.environ, "AMSP_CACHE_DIR": str(tmp_path / "cache")}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out_json.read_text())
     summary = report["summary"]
-    assert set(summary) == {"ours", "hf", "hf_compiled"}
+    assert set(summary) == {"ours", "ours_overlap_update", "ours_no_optimizer", "hf", "hf_compiled"}
     for name, s in summary.items():
         assert s["status"] == "ok", (name, s)
         assert s["tokens_per_s"] > 0 and 0 < s["mfu"] < 1, (name, s)
         assert 0 < s["optimizer_share"] < 1, (name, s)
         assert s["first_step_s_round1"] >= s["build_s_round1"] > 0, (name, s)
+    # The floor takes every step out of the optimizer; the others are read against it.
+    assert summary["ours_no_optimizer"]["skipped_steps"] == 2 and summary["ours"]["skipped_steps"] == 0
+    for name in ("ours", "ours_overlap_update"):
+        assert summary[name]["exposed_optimizer_share"] < 1, summary[name]
+    assert "exposed_optimizer_share" not in summary["hf"]
     rounds = report["rounds"]["ours"][0]
     assert len(rounds["step_s"]) == 2 and rounds["skipped_steps"] == 0
     table = out_md.read_text()

@@ -17,15 +17,17 @@ from tests.training.runs import losses, train
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("world, plan", [(2, "auto"), (8, "zero3")])
-def test_pretend_world_trains_on_cuda(tmp_path, monkeypatch, world, plan):
+@pytest.mark.parametrize("world, plan, extra", [(2, "auto", ()), (8, "zero3", ()),
+                                                # the update overlapped with the forward, gathered spreads
+                                                (8, "zero1", ("amsp.overlap_update=true",))])
+def test_pretend_world_trains_on_cuda(tmp_path, monkeypatch, world, plan, extra):
     monkeypatch.setenv("AMSP_PRETEND_WORLD", str(world))
     monkeypatch.setenv("AMSP_CHECK_ROUTING", "1")
     monkeypatch.setenv("AMSP_CACHE_DIR", str(tmp_path / "cache"))  # the fake probe caches nothing shared
     run = tmp_path / f"pretend{world}"
     # 16 samples a step and a validation pass: whole rounds of 2-sample micro-batches on 8 ranks.
     proc = train(run, "trainer.device=cuda", "trainer.max_steps=4", "trainer.val_interval=2",
-                 "trainer.val_samples=16", "trainer.global_batch_size=16", f"amsp.plan={plan}", timeout=600)
+                 "trainer.val_samples=16", "trainer.global_batch_size=16", f"amsp.plan={plan}", *extra, timeout=600)
     out = proc.stdout + proc.stderr
     assert "data plane cuda:fake (cuda tensors), control plane cpu:fake" in out, out[-3000:]
     assert f"rank 0 of {world} on the fake backend" in out and "routing check on" in out, out[-3000:]

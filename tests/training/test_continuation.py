@@ -40,3 +40,16 @@ def test_rerun_of_a_finished_run_resumes_instead_of_starting_over(straight, tmp_
     train(run, "trainer.max_steps=3", "trainer.checkpoint_interval=0")
     proc = train(run, "trainer.max_steps=3", "trainer.checkpoint_interval=0")
     assert "resumed from checkpoint" in proc.stdout and "at step 3" in proc.stdout
+
+
+def test_overlapped_update_run_and_its_resume_are_bitwise_identical(straight, tmp_path):
+    """amsp.overlap_update defers each unit's update to its next forward: the checkpoint written at step 10
+    must hold the updated masters (the save completes the pending updates) and the losses stay the same."""
+    run = tmp_path / "overlapped"
+    overlapped = ("trainer.checkpoint_interval=0", "amsp.plan=ddp", "amsp.overlap_update=true")
+    proc = train(run, "trainer.max_steps=10", *overlapped)
+    assert "optimizer update: deferred unit by unit to the next forward" in proc.stdout + proc.stderr
+    train(run, "trainer.max_steps=20", *overlapped)
+    got = losses(run)
+    for step in range(1, 21):
+        assert got[step] == straight[step], (step, got[step], straight[step])
