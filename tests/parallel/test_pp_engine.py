@@ -94,7 +94,8 @@ def _run(rank: int, world: int, cases: list[dict]) -> list[dict]:
         plan = Plan(Degrees(*case["blocks"]), Degrees(*case["blocks"]), name="test")
         eng = AMSPEngine(cfg, plan, mesh.dp_topology(rank), rank, seed=SEED, mesh=mesh,
                          parts=stage_parts(model, pcfg, mesh, rank, loss_context=ctx),
-                         options=EngineOptions(precision="fp32", optim=_settings(case)))
+                         options=EngineOptions(precision="fp32", optim=_settings(case),
+                                               overlap_update=case.get("update", False)))
         runner = PipelineRunner(eng, mesh, rank, pcfg, MICRO, SEQ, MBS) if mesh.pp > 1 else None
         steps = case.get("steps", STEPS)
         ref = _reference(case["layers"], mesh.dp, steps, _settings(case))
@@ -144,6 +145,10 @@ CASES = [
     {"pp": 2, "schedule": "interleaved", "v": 2, "layers": 4, "blocks": (1, 2, 2)},  # interleaved, zero2
     {"pp": 2, "schedule": "gpipe", "layers": 2, "blocks": (1, 1, 2)},  # GPipe, zero1
     {"pp": 2, "tp": 2, "schedule": "1f1b", "layers": 2, "blocks": (1, 1, 1)},  # PP x TP (+ SP)
+    # The update deferred to each unit's next forward (amsp.overlap_update), under the schedules' own
+    # forward order: virtual stages, and DTensor parameters.
+    {"pp": 2, "schedule": "interleaved", "v": 2, "layers": 4, "blocks": (1, 2, 2), "update": True},
+    {"pp": 2, "tp": 2, "schedule": "1f1b", "layers": 2, "blocks": (1, 1, 1), "update": True},
 ]
 
 
