@@ -143,6 +143,14 @@ class Replanner:
                  rp.comm_exposed_s(prior), measured.peak_bytes / _GIB,
                  (prior.memory_total - prior.memory.get("reserved", 0)) / _GIB, _pct(err_m), fit.compute_scale,
                  fit.comm_scale)
+        from amsp.planner.compute_profile import STALE_FACTOR, forget_cached
+
+        removed = forget_cached(options.compute, fit.compute_scale)
+        if removed:
+            log.warning("planner recheck: this run's compute is x%.3g the compute profile's, %g or more times off: "
+                        "the profile does not describe this machine as it runs now (timed while other work shared "
+                        "it?); removed %s so the next startup measures afresh", fit.compute_scale, STALE_FACTOR,
+                        removed)
         log.info("planner recheck: %s; refitted prediction %.4f s for %s, %.4f s for %s -> %s", why,
                  current.step_time_s, current.plan, best.step_time_s, best.plan,
                  f"switching to {best.plan} at the next checkpoint" if switch else f"keeping {self.plan}")
@@ -151,7 +159,8 @@ class Replanner:
                   "measured": asdict(measured),
                   "predicted_prior": _numbers(prior), "predicted_refit": _numbers(current),
                   "best_refit": _numbers(best), "step_time_error": err_t, "memory_error": err_m,
-                  "refit": asdict(fit), "links_probed_at_recheck": probed is not None}
+                  "refit": asdict(fit), "links_probed_at_recheck": probed is not None,
+                  "stale_compute_profile_removed": removed}
         self._write(record)
         return {**record, "new_plan_object": best.plan if switch else None}
 

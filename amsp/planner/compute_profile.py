@@ -19,6 +19,7 @@ import pathlib
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
+from dataclasses import field as dc_field
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class ComputeProfile:
     # one AdamW step (the engine's kernel) per optimizer element, every rank stepping at once; None: the
     # cluster's memory bandwidth prices it
     optimizer_s_per_elem: float | None = None
+    # The cache file this profile was read from or written to (not stored in it): the recheck removes a
+    # file whose profile the run's own steps contradict (forget_cached).
+    cache_file: str | None = dc_field(default=None, compare=False)
 
 
 # ---- measurement at startup -------------------------------------------------------------------
@@ -318,7 +322,8 @@ def _measure(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, wor
     cached = read_shared(path, field, use_cache, rank, distributed, "compute profile")
     if cached is not None:
         got = {ALL_RANKS: cached} if layout is None else cached
-        profiles = {g: ComputeProfile(**{**v, "source": f"cache ({v['source']})"}) for g, v in got.items()}
+        profiles = {g: ComputeProfile(**{**v, "source": f"cache ({v['source']})", "cache_file": str(path)})
+                    for g, v in got.items()}
         if rank == 0:
             for g, prof in profiles.items():
                 log.info("compute profile%s: cached %s: %s", _of(g), path, describe(prof))
@@ -357,13 +362,37 @@ def _measure(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, wor
         slow = [r[-1] for r, rg in zip(rows, groups) if rg == g and r[-1] is not None]
         profiles[g] = ComputeProfile(**dict(zip(fields, med)),
                                      overlap_slowdown=min(1.0, statistics.median(slow)) if slow else None,
-                                     source=f"measured on {where[g]}{', compiled' if compiled else ''}")
+                                     source=f"measured on {where[g]}{', compiled' if compiled else ''}",
+                                     cache_file=str(path))
     if rank == 0:
         for g, prof in profiles.items():
             log.info("compute profile%s (%.2f s to measure): %s", _of(g), time.perf_counter() - t0, describe(prof))
-        payload = asdict(profiles[ALL_RANKS]) if layout is None else {g: asdict(v) for g, v in profiles.items()}
+        payload = _stored(profiles[ALL_RANKS]) if layout is None else {g: _stored(v) for g, v in profiles.items()}
         write_atomic(path, {"key": key, field: payload})
     return profiles
+
+
+def _stored(profile: ComputeProfile) -> dict:
+    return {k: v for k, v in asdict(profile).items() if k != "cache_file"}
+
+
+# A compute scale this far from 1 (either way) at the recheck means the profile does not describe this
+# machine as it runs now (typically timed while other jobs shared its cores): a stored copy would
+# mislead every later startup on the same key.
+STALE_FACTOR = 1.5
+
+
+def forget_cached(profile: ComputeProfile | None, compute_scale: float) -> str | None:
+    """Remove the profile's cache file when the recheck's compute scale says it is STALE_FACTOR or more
+    off, so the next startup measures afresh. Returns the removed path, or None (nothing to remove)."""
+    if profile is None or profile.cache_file is None or 1 / STALE_FACTOR < compute_scale < STALE_FACTOR:
+        return None
+    path = pathlib.Path(profile.cache_file)
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return None
+    return str(path)
 
 
 def rank_layout(rank_groups: list[str], device) -> list[tuple[str, str]]:

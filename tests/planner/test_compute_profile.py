@@ -41,6 +41,26 @@ def test_measured_profile_is_sane_and_cached(tmp_path, caplog):
     assert other.source.startswith("measured") and len(list(tmp_path.glob("compute-*.json"))) == 2
 
 
+def test_a_profile_the_run_contradicts_leaves_the_cache(tmp_path):
+    """The recheck's compute scale 1.5x or more off (either way) removes the cached profile, so the next
+    startup measures afresh instead of planning every run from a timing taken on a busy machine."""
+    from amsp.planner.__main__ import compose_config
+    from amsp.planner.compute_profile import forget_cached
+
+    args = (_model(compose_config(TINY)), 32, 1, "fp32", "none", "cpu", 1, 0, tmp_path)
+    measured = measure_profile(*args)
+    path = pathlib.Path(measured.cache_file)
+    assert path.exists() and "cache_file" not in json.loads(path.read_text())["profile"]  # not stored
+    cached = measure_profile(*args)
+    assert cached.cache_file == str(path)
+    for scale in (0.7, 1.0, 1.45):  # within the factor: the profile stays
+        assert forget_cached(cached, scale) is None and path.exists()
+    assert forget_cached(dataclasses.replace(cached, cache_file=None), 0.1) is None  # a profile from a file
+    assert forget_cached(cached, 0.129) == str(path) and not path.exists()
+    assert forget_cached(cached, 8.0) is None  # already gone
+    assert measure_profile(*args).source.startswith("measured")
+
+
 def test_injected_profile_changes_the_prediction(tmp_path, capsys):
     from amsp.planner.__main__ import compose_config, main
     from amsp.planner.cost_model import CostModel, Options, overlap_slowdown_of

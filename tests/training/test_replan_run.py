@@ -86,3 +86,24 @@ def test_switch_at_an_async_periodic_checkpoint_keeps_every_rank_together(tmp_pa
     if not record["switch"]:
         pytest.xfail(f"no switch on this host's timings: {record['reason']}")
     assert f"switching from {record['from']} to {record['to']} at step 5" in proc.stdout
+
+
+def test_a_cached_compute_profile_the_run_contradicts_is_removed(tmp_path, monkeypatch):
+    """A compute profile cached while the machine was busy (here: the cached times made 10x longer) is
+    found out by the recheck and removed; the run goes on, and the next startup measures afresh."""
+    monkeypatch.setenv("AMSP_CACHE_DIR", str(tmp_path / "cache"))
+    common = ("trainer.max_steps=3", "amsp.planner.recheck_steps=2", "amsp.planner.replan=false")
+    train(tmp_path / "first", *common)
+    (path,) = (tmp_path / "cache" / "compute").glob("compute-*.json")
+    data = json.loads(path.read_text())
+    for k in ("block_forward_s", "block_backward_s", "head_forward_backward_s", "embedding_s"):
+        data["profile"][k] *= 10
+    path.write_text(json.dumps(data))
+    proc = train(tmp_path / "second", *common)
+    assert "compute profile: cached" in proc.stdout and f"removed {path}" in proc.stdout, proc.stdout[-3000:]
+    assert not path.exists()
+    record = json.loads((tmp_path / "second" / "replan.json").read_text())[-1]
+    assert record["stale_compute_profile_removed"] == str(path) and record["refit"]["compute_scale"] < 1 / 1.5
+    assert sorted(losses(tmp_path / "second")) == [1, 2, 3]
+    proc = train(tmp_path / "third", *common)
+    assert "compute profile (" in proc.stdout and "removed" not in proc.stdout  # measured, then consistent
