@@ -114,26 +114,31 @@ def measure_peak_flops(seconds: float = 1.0) -> float:
     return rate.item() / dist.get_world_size()
 
 
-def choose_auto_plan(cfg: LlamaConfig, spec: dict, probe: dict, peak_flops: float):
-    from amsp.planner.cluster import AlphaBeta, ClusterSpec
-    from amsp.planner.cost_model import Options
-    from amsp.planner.solve import plan_cluster
-    from amsp.planner.workload import Workload
-    from amsp.schedule import Precision
+def choose_auto_plan(spec: dict, cache_dir: str):
+    """The plan train.py's startup chooses for this run (amsp.planner.startup.plan_for_run: the collective
+    probe's curves merged into the cpu preset, the compute profile measured on these ranks, the engine's
+    own switches as peers.py builds it, e.g. the spread not overlapped), so the shoot-out measures the
+    product's choice. A fresh cache directory: nothing measured by another run (or on a busier machine)
+    is reused. Collective: every rank takes part in the probe and the compute timing."""
+    from amsp.launch import DistEnv
+    from amsp.planner.__main__ import compose_config
+    from amsp.planner.startup import plan_for_run
 
-    nodes, rpn = spec["nodes"], spec["ranks_per_node"]
-    fb = {s: AlphaBeta(v["latency_s"], v["busbw_gbs"]) for s, v in probe.items()}
-    for s in ("intra", "inter"):  # a scope with a single member never communicates; any value works
-        fb.setdefault(s, AlphaBeta(1e-4, 1.0))
-    cluster = ClusterSpec(name="netns-emulated", nodes=nodes, ranks_per_node=rpn,
-                          device_memory_bytes=int(spec["device_memory_bytes"]), peak_flops=peak_flops,
-                          memory_bandwidth_gbs=5.0, dtype="fp32", fallback=fb, source="probe")
-    wl = Workload(model=cfg, seq_len=spec["seq_len"], micro_batch_size=spec["micro_batch_size"],
-                  micro_batches=spec["micro_batches"],
-                  precision=Precision(4, Precision.named(spec["precision"]).grad_bytes))  # fp32 compute
-    opts = Options(reserved_bytes=int(spec.get("reserved_bytes", 0)), memory_margin=spec.get("memory_margin", 0.08),
-                   state_budget_bytes=spec.get("state_budget_bytes"))
-    return plan_cluster(wl, cluster, opts)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    overrides = [f"model.{k}={v}" for k, v in spec["model"].items()]
+    overrides += [f"data.seq_len={spec['seq_len']}", f"trainer.micro_batch_size={spec['micro_batch_size']}",
+                  f"trainer.global_batch_size={spec['micro_batch_size'] * spec['micro_batches'] * world}",
+                  "trainer.dtype=fp32", f"amsp.grad_comm={spec['precision']}", "amsp.overlap_spread=false",
+                  f"amsp.ranks_per_node={spec['ranks_per_node']}",
+                  f"cluster.device_memory_gib={spec['device_memory_bytes'] / 2**30}",
+                  f"amsp.planner.reserved_gib={spec.get('reserved_bytes', 0) / 2**30}",
+                  f"amsp.planner.memory_margin={spec.get('memory_margin', 0.08)}",
+                  f"amsp.planner.cache_dir={cache_dir}"]
+    if spec.get("state_budget_bytes"):
+        overrides.append(f"amsp.planner.state_budget_gib={spec['state_budget_bytes'] / 2**30}")
+    denv = DistEnv(rank=rank, world_size=world, local_rank=int(os.environ["LOCAL_RANK"]),
+                   local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]), launcher="torchrun")
+    return plan_for_run(compose_config(overrides), denv, "cpu")
 
 
 # ---------------------------------------------------------------- one configuration
@@ -204,14 +209,12 @@ def main() -> None:
     plans, auto_info = {}, None
     systems = list(spec["systems"])
     if "amsp:auto" in systems:
+        # The bench's own all-reduce check of the links and the matmul rate, for the report; the plan is
+        # chosen by the product's startup planner, which measures for itself.
         probe = probe_cluster(spec["nodes"], spec["ranks_per_node"], spec.get("probe_mb", 4.0))
         peak = measure_peak_flops()
-        obj = [None]
-        if rank == 0:
-            res = choose_auto_plan(cfg, spec, probe, peak)
-            obj = [{"plan": res.plan, "table": res.table(), "probe": probe, "peak_flops": peak}]
-        dist.broadcast_object_list(obj, src=0)
-        auto_info = obj[0]
+        res = choose_auto_plan(spec, os.path.join(os.path.dirname(spec["out"]), "planner_cache"))
+        auto_info = {"plan": res.plan, "table": res.table, "probe": probe, "peak_flops": peak}
         plans["amsp:auto"] = auto_info["plan"]
     for s in systems:
         if s.startswith("amsp:") and s != "amsp:auto":
