@@ -143,14 +143,7 @@ class Replanner:
                  rp.comm_exposed_s(prior), measured.peak_bytes / _GIB,
                  (prior.memory_total - prior.memory.get("reserved", 0)) / _GIB, _pct(err_m), fit.compute_scale,
                  fit.comm_scale)
-        from amsp.planner.compute_profile import STALE_FACTOR, forget_cached
-
-        removed = forget_cached(options.compute, fit.compute_scale)
-        if removed:
-            log.warning("planner recheck: this run's compute is x%.3g the compute profile's, %g or more times off: "
-                        "the profile does not describe this machine as it runs now (timed while other work shared "
-                        "it?); removed %s so the next startup measures afresh", fit.compute_scale, STALE_FACTOR,
-                        removed)
+        removed, removed_probe = _forget_stale_caches(options, cluster, fit)
         log.info("planner recheck: %s; refitted prediction %.4f s for %s, %.4f s for %s -> %s", why,
                  current.step_time_s, current.plan, best.step_time_s, best.plan,
                  f"switching to {best.plan} at the next checkpoint" if switch else f"keeping {self.plan}")
@@ -160,7 +153,7 @@ class Replanner:
                   "predicted_prior": _numbers(prior), "predicted_refit": _numbers(current),
                   "best_refit": _numbers(best), "step_time_error": err_t, "memory_error": err_m,
                   "refit": asdict(fit), "links_probed_at_recheck": probed is not None,
-                  "stale_compute_profile_removed": removed}
+                  "stale_compute_profile_removed": removed, "stale_probe_removed": removed_probe}
         self._write(record)
         return {**record, "new_plan_object": best.plan if switch else None}
 
@@ -278,6 +271,27 @@ def _degrees(plan) -> dict:
 
 def _overrides(plan) -> str:
     return " ".join(f"amsp.{k}={v}" for k, v in _degrees(plan).items())
+
+
+def _forget_stale_caches(options, cluster, fit) -> tuple[str | None, str | None]:
+    """The cached compute profile and link measurement this run's refit puts STALE_FACTOR or more off are
+    removed (measured on a busy machine, typically), so the next startup measures them again instead of
+    planning every later run from them. Returns the removed paths."""
+    from amsp.planner.cache_file import STALE_FACTOR, forget_if_stale
+    from amsp.planner.compute_profile import forget_cached
+    from amsp.planner.probe import cached_probe
+
+    removed = forget_cached(options.compute, fit.compute_scale)
+    if removed:
+        log.warning("planner recheck: this run's compute is x%.3g the compute profile's, %g or more times off: the "
+                    "profile does not describe this machine as it runs now (timed while other work shared it?); "
+                    "removed %s so the next startup measures afresh", fit.compute_scale, STALE_FACTOR, removed)
+    removed_probe = forget_if_stale(cached_probe(cluster.source), fit.comm_scale)
+    if removed_probe:
+        log.warning("planner recheck: this run's communication is x%.3g the cached link measurement's, %g or more "
+                    "times off; removed %s so the next startup probes afresh", fit.comm_scale, STALE_FACTOR,
+                    removed_probe)
+    return removed, removed_probe
 
 
 def _pct(x: float | None) -> str:

@@ -32,3 +32,21 @@ def write_atomic(path: pathlib.Path, payload: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(payload, indent=1))
     tmp.replace(path)
+
+
+# A refit scale this far from 1 (either way) at the recheck means the cached measurement does not describe
+# the machine as it runs now (typically taken while other jobs shared it): every later startup on the same
+# key would plan from it.
+STALE_FACTOR = 1.5
+
+
+def forget_if_stale(path: str | pathlib.Path | None, scale: float) -> str | None:
+    """Remove the cache file `path` when the recheck's refit `scale` is STALE_FACTOR or more off, so the
+    next startup measures afresh. Returns the removed path, or None (kept, or nothing to remove)."""
+    if path is None or 1 / STALE_FACTOR < scale < STALE_FACTOR:
+        return None
+    try:
+        pathlib.Path(path).unlink()
+    except FileNotFoundError:
+        return None
+    return str(path)

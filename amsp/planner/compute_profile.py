@@ -376,23 +376,12 @@ def _stored(profile: ComputeProfile) -> dict:
     return {k: v for k, v in asdict(profile).items() if k != "cache_file"}
 
 
-# A compute scale this far from 1 (either way) at the recheck means the profile does not describe this
-# machine as it runs now (typically timed while other jobs shared its cores): a stored copy would
-# mislead every later startup on the same key.
-STALE_FACTOR = 1.5
-
-
 def forget_cached(profile: ComputeProfile | None, compute_scale: float) -> str | None:
-    """Remove the profile's cache file when the recheck's compute scale says it is STALE_FACTOR or more
-    off, so the next startup measures afresh. Returns the removed path, or None (nothing to remove)."""
-    if profile is None or profile.cache_file is None or 1 / STALE_FACTOR < compute_scale < STALE_FACTOR:
-        return None
-    path = pathlib.Path(profile.cache_file)
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        return None
-    return str(path)
+    """Remove the profile's cache file when the recheck's compute scale is cache_file.STALE_FACTOR or more
+    off. Returns the removed path, or None."""
+    from .cache_file import forget_if_stale
+
+    return forget_if_stale(None if profile is None else profile.cache_file, compute_scale)
 
 
 def rank_layout(rank_groups: list[str], device) -> list[tuple[str, str]]:

@@ -201,14 +201,14 @@ def _from_json(d: dict) -> dict:
 
 def probe_points(topo: Topology, rank: int, device: torch.device, cache_dir: pathlib.Path | None = None,
                  use_cache: bool = True, sizes=PROBE_SIZES, budget_s: float = PROBE_BUDGET_S) -> tuple[dict, str]:
-    """(measured or cached points {(kind, scope): [(bytes, GB/s)]}, 'probe' | 'cache'). Collective."""
+    """(measured or cached points {(kind, scope): [(bytes, GB/s)]}, 'probe' | 'cache PATH'). Collective."""
     backend = dist.get_backend()
     hosts = control.all_gather_object(network_identity())
     key = cache_key(topo, hosts, backend, device, sizes, budget_s)
     path = (cache_dir or default_cache_dir()) / f"probe-{key}.json"
     cached = read_shared(path, "points", use_cache, rank, True, "probe")
     if cached is not None:
-        points, source = _from_json(cached), "cache"
+        points, source = _from_json(cached), f"cache {path}"  # the recheck removes a stale one (cached_probe)
         if rank == 0:
             log.info("bandwidth probe: cached result %s for %d ranks x %d per node", path, topo.world,
                      topo.ranks_per_node)
@@ -225,6 +225,16 @@ def probe_points(topo: Topology, rank: int, device: torch.device, cache_dir: pat
         log.info("measured collective bandwidths (bus GB/s by per-rank chunk; inter = per node):\n%s%s",
                  format_points(points), nic_sharing(points))
     return points, source
+
+
+def cached_probe(source: str) -> str | None:
+    """The cache file a cluster's curves were read from (probe_points' source "cache PATH"), else None."""
+    if not source.startswith("cache "):
+        return None
+    path = source[len("cache "):]
+    while path.endswith(", refitted"):  # replan.scaled_cluster's mark
+        path = path[:-len(", refitted")]
+    return path
 
 
 def merge_curve(preset: BandwidthCurve | None, measured: list) -> BandwidthCurve:

@@ -61,6 +61,14 @@ def test_a_profile_the_run_contradicts_leaves_the_cache(tmp_path):
     assert measure_profile(*args).source.startswith("measured")
 
 
+def test_a_cached_probe_is_named_by_its_source():
+    from amsp.planner.probe import cached_probe
+
+    assert cached_probe("cache /c/probe-1.json") == "/c/probe-1.json"
+    assert cached_probe("cache /c/probe-1.json, refitted, refitted") == "/c/probe-1.json"
+    assert cached_probe("probe") is None and cached_probe("preset") is None
+
+
 def test_injected_profile_changes_the_prediction(tmp_path, capsys):
     from amsp.planner.__main__ import compose_config, main
     from amsp.planner.cost_model import CostModel, Options, overlap_slowdown_of

@@ -107,3 +107,21 @@ def test_a_cached_compute_profile_the_run_contradicts_is_removed(tmp_path, monke
     assert sorted(losses(tmp_path / "second")) == [1, 2, 3]
     proc = train(tmp_path / "third", *common)
     assert "compute profile (" in proc.stdout and "removed" not in proc.stdout  # measured, then consistent
+
+
+def test_a_cached_link_measurement_the_run_contradicts_is_removed(tmp_path, monkeypatch):
+    """The same for the collective probe's cache: links cached 100x faster than they are are found out by
+    the recheck's communication refit and the file is removed, so the next startup probes again."""
+    monkeypatch.setenv("AMSP_CACHE_DIR", str(tmp_path / "cache"))
+    common = ("trainer.max_steps=3", "amsp.planner.recheck_steps=2", "amsp.planner.replan=false",
+              "amsp.planner.probe_budget_s=0.5", "trainer.checkpoint_interval=0")
+    train(tmp_path / "first", *common, nproc=2)
+    (path,) = (tmp_path / "cache" / "probe").glob("probe-*.json")
+    data = json.loads(path.read_text())
+    data["points"] = {k: [[size, gbs * 100] for size, gbs in pts] for k, pts in data["points"].items()}
+    path.write_text(json.dumps(data))
+    proc = train(tmp_path / "second", *common, nproc=2)
+    assert f"bandwidths from cache {path}" in proc.stdout and f"removed {path}" in proc.stdout, proc.stdout[-3000:]
+    assert not path.exists()
+    record = json.loads((tmp_path / "second" / "replan.json").read_text())[-1]
+    assert record["stale_probe_removed"] == str(path) and record["refit"]["comm_scale"] >= 1.5, record
