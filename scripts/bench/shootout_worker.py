@@ -14,6 +14,7 @@ import ctypes
 import datetime
 import gc
 import json
+import logging
 import os
 import re
 import statistics
@@ -202,6 +203,9 @@ def main() -> None:
 
     control.setup(timeout)  # the AMSP engine's groups take their timeout from the control plane
     rank, world = dist.get_rank(), dist.get_world_size()
+    # Rank 0's log (what shootout.py prints) carries the startup planner's measurements and choice
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout,
+                        format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     cfg = LlamaConfig(**spec["model"])
     batches = make_batches(cfg, spec, rank, world)
     from amsp.plan import make_plan
