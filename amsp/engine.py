@@ -47,6 +47,7 @@ from .parallel.tp_slices import TPSlot, tp_slot_of
 from .plan import Plan, validate_degrees
 from .schedule import Precision, Unit
 from .sharded_optim import AdamWSettings, ShardedAdamW, StepResult
+from .spread_window import SpreadWindow
 from .topology import Topology
 
 log = logging.getLogger(__name__)
@@ -163,8 +164,7 @@ class AMSPEngine:
         self._accumulating = False  # a micro-batch has run since the last step()
         self._synced_last = False
         self._released = False  # release() gave the memory back: a plan switch replaced this engine
-        self._spread_queued: list[FlatUnit] = []  # forward order, spread not launched yet
-        self._spread_in_flight: list[FlatUnit] = []  # forward order, at most options.spread_window
+        self._spreads = SpreadWindow(self._fwd_order, options.spread_window, self._updates)
         self._log_choices()
 
     # ---- construction ----
@@ -282,35 +282,8 @@ class AMSPEngine:
                 log.info("  %s: %d units, p/g/os = %s, %d parameters (padded %d)", grp, len(us), us[0].deg,
                          sum(u.layout.numel for u in us), sum(u.layout.padded for u in us))
 
-    # ---- parameter spread: a bounded window in forward order ----
-    def _start_spread(self) -> None:
-        """Queue every unit's spread (forward order), book all of them on this step, launch the first
-        window of them. Spreads already launched with their overlapped update (local copies on the
-        update stream) are not queued: they hold no buffer, so they take no place in the window."""
-        for u in self._fwd_order:
-            u.book_spread()
-        self._spread_queued = [u for u in self._fwd_order if not u.spread_pending]
-        self._fill_spread_window()
-
-    def _fill_spread_window(self) -> None:
-        while self._spread_queued and len(self._spread_in_flight) < self.options.spread_window:
-            u = self._spread_queued.pop(0)
-            self._updates.take(u)  # a deferred update first: the spread sends the new master
-            u.launch_spread()  # booked on its step by _start_spread
-            self._spread_in_flight.append(u)
-
     def _ensure_fresh(self, u: FlatUnit) -> None:
-        # Complete spreads oldest first up to this unit; each completion launches the next queued one,
-        # so the next unit's spread overlaps this unit's forward and no more than the window is held.
-        while u in self._spread_in_flight or u in self._spread_queued:
-            oldest = self._spread_in_flight.pop(0)
-            oldest.finish_spread()
-            self._fill_spread_window()
-        if self._updates.take(u):  # its spread was launched with its update, on the update stream
-            u.finish_spread()
-        if u.version != self.optim.steps:
-            raise RuntimeError(f"AMSP guard: unit {u.name} holds weights of optimizer step {u.version} but "
-                               f"{self.optim.steps} steps were applied; refusing to run on stale weights")
+        self._spreads.ensure_fresh(u, self.optim.steps)
 
     # ---- hooks ----
     def _pre_forward(self, u: FlatUnit, nxt: FlatUnit | None, module, args) -> None:
@@ -504,7 +477,7 @@ class AMSPEngine:
             for u in self.units:
                 u.zero_grad_state()
         if not result.skipped:
-            self._start_spread()
+            self._spreads.start()
             if not (self.options.overlap_spread or self.options.overlap_update):
                 self.finish_spread()
         self._accumulating = self._synced_last = False
@@ -593,7 +566,7 @@ class AMSPEngine:
         self.optim.steps = optimizer_steps
         for u in self.units:
             u.version = optimizer_steps - 1  # the spread below brings every unit to this step
-        self._start_spread()
+        self._spreads.start()
         self.finish_spread()
         self.comm.close_step()  # loading traffic is not part of a training step
 
