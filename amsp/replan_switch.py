@@ -278,10 +278,9 @@ def _forget_stale_caches(options, cluster, fit) -> tuple[str | None, str | None]
     removed (measured on a busy machine, typically), so the next startup measures them again instead of
     planning every later run from them. Returns the removed paths."""
     from amsp.planner.cache_file import STALE_FACTOR, forget_if_stale
-    from amsp.planner.compute_profile import forget_cached
     from amsp.planner.probe import cached_probe
 
-    removed = forget_cached(options.compute, fit.compute_scale)
+    removed = forget_if_stale(None if options.compute is None else options.compute.cache_file, fit.compute_scale)
     if removed:
         log.warning("planner recheck: this run's compute is x%.3g the compute profile's, %g or more times off: the "
                     "profile does not describe this machine as it runs now (timed while other work shared it?); "

@@ -34,7 +34,7 @@ class ComputeProfile:
     # cluster's memory bandwidth prices it
     optimizer_s_per_elem: float | None = None
     # The cache file this profile was read from or written to (not stored in it): the recheck removes a
-    # file whose profile the run's own steps contradict (forget_cached).
+    # file whose profile the run's own steps contradict (cache_file.forget_if_stale).
     cache_file: str | None = dc_field(default=None, compare=False)
 
 
@@ -374,14 +374,6 @@ def _measure(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, wor
 
 def _stored(profile: ComputeProfile) -> dict:
     return {k: v for k, v in asdict(profile).items() if k != "cache_file"}
-
-
-def forget_cached(profile: ComputeProfile | None, compute_scale: float) -> str | None:
-    """Remove the profile's cache file when the recheck's compute scale is cache_file.STALE_FACTOR or more
-    off. Returns the removed path, or None."""
-    from .cache_file import forget_if_stale
-
-    return forget_if_stale(None if profile is None else profile.cache_file, compute_scale)
 
 
 def rank_layout(rank_groups: list[str], device) -> list[tuple[str, str]]:
