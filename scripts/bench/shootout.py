@@ -129,10 +129,9 @@ def markdown(regime: str, spec: dict, rows: list[dict], raw: dict, cmd: str, dat
                      f"{spec['budget_bytes_per_param']} bytes/param, for every system (given to the planner as "
                      f"amsp.planner.state_budget_gib; its device memory stays the machine's share)")
     if raw.get("auto"):
-        lines.append(f"- automatic plan (train.py's startup planner, measuring on these ranks): {raw['auto']['plan']} "
-                     f"(the bench's own link check: " + ", ".join(
-            f"{k} {v['busbw_gbs']:.3f} GB/s bus, {v['latency_s'] * 1e3:.2f} ms" for k, v in raw["auto"]["probe"].items())
-            + f"; peak {raw['auto']['peak_flops'] / 1e9:.1f} GFLOP/s per rank)")
+        inputs = next((ln for ln in raw["auto"]["table"].splitlines() if ln.startswith("cluster ")), "")
+        lines.append(f"- automatic plan (train.py's startup planner, measuring on these ranks): {raw['auto']['plan']}"
+                     + (f" ({inputs})" if inputs else ""))
     lines += ["", "| system | plan (p/g/os) | median step s (min-max) | tokens/s | inter-node MB/step | peak RSS MB "
               "(above base) | model states MB/rank | vs best peer | final loss |",
               "|---|---|---|---|---|---|---|---|---|"]

@@ -6,7 +6,8 @@ all systems see the same machine conditions. Per configuration and round:
 Measured per timed step: wall time (barrier before, max over ranks), bytes that left each node over
 its link (eth0 tx counter of the node's namespace, read by local rank 0 between barriers), and per
 rank the peak resident set (VmHWM, reset through /proc/self/clear_refs before the build).
-The AMSP automatic plan is chosen here, on the real ranks, after a short bandwidth probe.
+The AMSP automatic plan is chosen here, on the real ranks, by train.py's startup planner (its probe and
+compute profile measured on them).
 """
 from __future__ import annotations
 
@@ -65,55 +66,7 @@ def make_batches(cfg: LlamaConfig, spec: dict, rank: int, world: int):
     return [(tokens[rank, i, :, :-1].contiguous(), tokens[rank, i, :, 1:].contiguous()) for i in range(m)]
 
 
-# ---------------------------------------------------------------- probe + planner
-
-def _timed_allreduce(t: torch.Tensor, group, repeats: int) -> float:
-    dist.all_reduce(t, group=group)  # warm the connection
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(t, group=group)
-        times.append(time.perf_counter() - t0)
-    x = torch.tensor([statistics.median(times)])
-    dist.all_reduce(x, op=dist.ReduceOp.MAX)
-    return x.item()
-
-
-def probe_cluster(nodes: int, rpn: int, probe_mb: float) -> dict:
-    """All-reduce bus bandwidth inside a node and across nodes (one rank per node, all R such groups
-    at once, as the planner's inter-node scope assumes), plus latency from a tiny all-reduce."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    intra = [dist.new_group(list(range(n * rpn, (n + 1) * rpn))) for n in range(nodes)]
-    inter = [dist.new_group(list(range(lr, world, rpn))) for lr in range(rpn)]
-    big = torch.ones(int(probe_mb * 2**20 / 4))
-    small = torch.ones(1)
-    out = {}
-    for scope, groups, n in (("intra", intra, rpn), ("inter", inter, nodes)):
-        if n < 2:
-            continue
-        g = groups[rank // rpn] if scope == "intra" else groups[rank % rpn]
-        lat = _timed_allreduce(small, g, 5)
-        t = _timed_allreduce(big, g, 3)
-        busbw = big.numel() * 4 * 2 * (n - 1) / n / max(t - lat, 1e-6) / 1e9
-        if scope == "inter":
-            busbw *= rpn  # the planner's inter scope is per node: R groups share the node's link
-        out[scope] = {"latency_s": lat, "busbw_gbs": busbw, "probe_s": t}
-    return out
-
-
-def measure_peak_flops(seconds: float = 1.0) -> float:
-    """fp32 matmul rate of one rank while all ranks run it at once (what a rank really gets here)."""
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
-    dist.barrier()
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ b
-        n += 1
-    rate = torch.tensor([2 * 512**3 * n / (time.perf_counter() - t0)])
-    dist.all_reduce(rate)
-    return rate.item() / dist.get_world_size()
-
+# ---------------------------------------------------------------- planner
 
 def choose_auto_plan(spec: dict, cache_dir: str):
     """The plan train.py's startup chooses for this run (amsp.planner.startup.plan_for_run: the collective
@@ -185,8 +138,7 @@ def write_results(path: str, results: dict, plans: dict, auto_info: dict | None,
     out = {"results": {k: v for k, v in results.items() if v}, "plans": {s: str(p) for s, p in plans.items()},
            "complete": complete}
     if auto_info:
-        out["auto"] = {"plan": str(auto_info["plan"]), "table": auto_info["table"], "probe": auto_info["probe"],
-                       "peak_flops": auto_info["peak_flops"]}
+        out["auto"] = {"plan": str(auto_info["plan"]), "table": auto_info["table"]}
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(out, f, indent=1)
@@ -213,12 +165,8 @@ def main() -> None:
     plans, auto_info = {}, None
     systems = list(spec["systems"])
     if "amsp:auto" in systems:
-        # The bench's own all-reduce check of the links and the matmul rate, for the report; the plan is
-        # chosen by the product's startup planner, which measures for itself.
-        probe = probe_cluster(spec["nodes"], spec["ranks_per_node"], spec.get("probe_mb", 4.0))
-        peak = measure_peak_flops()
         res = choose_auto_plan(spec, os.path.join(os.path.dirname(spec["out"]), "planner_cache"))
-        auto_info = {"plan": res.plan, "table": res.table, "probe": probe, "peak_flops": peak}
+        auto_info = {"plan": res.plan, "table": res.table}
         plans["amsp:auto"] = auto_info["plan"]
     for s in systems:
         if s.startswith("amsp:") and s != "amsp:auto":
