@@ -35,6 +35,7 @@ from amsp.metrics.plan_config import log_plan, log_switch
 from amsp.metrics.plot import plot_run
 from amsp.metrics.wandb_logger import WandbLogger
 from amsp.build import engine_from_config, plan_from_config, topology_from
+from amsp.compile_choice import resolve_auto_compile
 from amsp.optim import WarmupCosine, lr_floor
 from amsp.parallel.joint_startup import joint_plan_for_run, stage_plan
 from amsp.parallel.pipeline import check_micro_batches
@@ -170,6 +171,9 @@ def run(cfg: DictConfig) -> None:
     model_cfg = to_llama_config(cfg.model)
     require_kernels(model_cfg)
     seq_len = cfg.data.seq_len  # <= model.max_seq_len: configs/validate.py
+    # model.compile=auto on CUDA: blocks compiled only if one measured block runs faster so (amsp/compile_choice.py);
+    # decided before the planners, which price the blocks as they will run.
+    cfg = resolve_auto_compile(cfg, denv, device)
     # parallel.auto: the joint planner picks tp, pp, the layer split, the micro-batch size, per-stage
     # recomputation and each stage's AMSP degrees; the run proceeds as if they had been given by hand.
     joint = None

@@ -43,7 +43,9 @@ _EAGER_ISLAND_KERNELS = ("flash_attn", "te")  # third-party kernels dynamo may n
 
 def resolve_compile(setting: str, device: torch.device) -> bool:
     """auto: on for CUDA, off for CPU (CPU runs are short tries and tests, and compiling a block
-    takes about a minute on these 2-core machines)."""
+    takes about a minute on these 2-core machines). train.py settles auto on CUDA by measurement first
+    (amsp/compile_choice.py: off unless a compiled block is measured faster), so auto reaching this on
+    CUDA there means compiled blocks won."""
     if setting not in COMPILE_CHOICES:
         raise ValueError(f"model.compile={setting!r} is not one of {'|'.join(COMPILE_CHOICES)}")
     if setting == "auto":

@@ -138,6 +138,23 @@ def _one_block_model(model_cfg, device, dtype):
     return build_model(replace(model_cfg, n_layers=1, activation_checkpointing="none"), device, dtype)
 
 
+def one_block_inputs(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, device, compiled: bool):
+    """(one-block model, tokens, x, cos, sin, output gradient) at the run's shape on `device`, the block
+    compiled as model.compile=on compiles it when `compiled`; seeded, so every timing sees the same data."""
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    model = _one_block_model(model_cfg, device, dtype)
+    if compiled:
+        from amsp.compile import apply_compile
+
+        apply_compile(model, "on", device)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    tokens = torch.randint(0, model_cfg.vocab_size, (micro_batch, seq_len), generator=g).to(device)
+    x = (torch.randn(micro_batch, seq_len, model_cfg.dim, generator=g) * 0.5).to(device, dtype).requires_grad_()
+    return model, tokens, x, model.rope_cos[:seq_len], model.rope_sin[:seq_len], torch.ones_like(x)
+
+
 def time_compute(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, device, repeats: int = 3,
                  compiled: bool = False):
     """({field: seconds} for one micro-batch on this process's device, the parts the overlap
@@ -146,19 +163,9 @@ def time_compute(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, dev
     import torch
 
     device = torch.device(device)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
-    model = _one_block_model(model_cfg, device, dtype)
-    if compiled:
-        from amsp.compile import apply_compile
-
-        apply_compile(model, "on", device)
+    model, tokens, x, cos, sin, grad = one_block_inputs(model_cfg, seq_len, micro_batch, dtype_name, device, compiled)
     block, head, emb = model.layers[0], model.head, model.tok_embeddings
     tied = emb.weight if model_cfg.tie_embeddings else None
-    cos, sin = model.rope_cos[:seq_len], model.rope_sin[:seq_len]
-    g = torch.Generator(device="cpu").manual_seed(0)
-    tokens = torch.randint(0, model_cfg.vocab_size, (micro_batch, seq_len), generator=g).to(device)
-    x = (torch.randn(micro_batch, seq_len, model_cfg.dim, generator=g) * 0.5).to(device, dtype).requires_grad_()
-    grad = torch.ones_like(x)
 
     if compiled:
         # Compile outside the timing (median_time sizes its samples from its warm-up call, which would

@@ -26,7 +26,7 @@ AUTO_OPS: dict[str, str] = {
 # On CUDA (csrc/fused_cuda.cu) no kernel has been timed yet (pending: bench_fused.py measures on CPU
 # only; BENCHMARKS.md "GPU path"), so the CPU table above carries over on its memory column alone, which
 # does not depend on the device (autograd keeps the same tensors), with one exception: inside a
-# torch.compile'd region on CUDA (model.compile, on by default there: the transformer blocks) the ops
+# torch.compile'd region on CUDA (model.compile: the transformer blocks, where compiled ones measure faster) the ops
 # below trace their eager references instead of calling the kernels, whatever model.fused says. There
 # inductor generates fused code for the references and its partitioner keeps what the kernels keep (the
 # planner prices compiled blocks so: amsp/planner/workload.py Workload.runs_fused), while a custom op is
