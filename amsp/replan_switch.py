@@ -280,7 +280,9 @@ def _forget_stale_caches(options, cluster, fit) -> tuple[str | None, str | None]
     from amsp.planner.cache_file import STALE_FACTOR, forget_if_stale
     from amsp.planner.probe import cached_probe
 
-    removed = forget_if_stale(None if options.compute is None else options.compute.cache_file, fit.compute_scale)
+    gone = [forget_if_stale(f, fit.compute_scale) for f in ([] if options.compute is None else
+                                                           options.compute.cache_files())]
+    removed = ", ".join(f for f in gone if f) or None
     if removed:
         log.warning("planner recheck: this run's compute is x%.3g the compute profile's, %g or more times off: the "
                     "profile does not describe this machine as it runs now (timed while other work shared it?); "

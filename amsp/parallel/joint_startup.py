@@ -124,6 +124,26 @@ def measured_profiles(cfg: DictConfig, denv, device, groups: list[str] | None) -
                                   p.probe_cache, cores_shared=cores_shared(device, denv))
 
 
+def tp_cache_path(cfg: DictConfig, model, denv, device, tp: int, groups: list[str] | None = None) -> pathlib.Path:
+    """The file measured_tp_units caches the units of `tp` in (beside the compute profile's, same key)."""
+    import torch
+    import torch.distributed as dist
+
+    from ..planner.compute_profile import cache_key, default_cache_dir, rank_layout
+    from ..planner.from_config import planner_config
+    from ..planner.startup import cores_shared, timing_dtype
+    from .tp_profile import TP_PROFILE_VERSION
+
+    p = planner_config(cfg)
+    device = torch.device(device)
+    backend = dist.get_backend() if dist.is_initialized() else None
+    layout = rank_layout(groups, device) if groups is not None else None
+    key = cache_key(model, int(cfg.data.seq_len), int(cfg.trainer.micro_batch_size), timing_dtype(cfg, device),
+                    "none", device, denv.world_size, backend, cores_shared(device, denv), layout)
+    cache = pathlib.Path(p.cache_dir) if p.cache_dir else default_cache_dir()
+    return cache / f"tp{tp}-v{TP_PROFILE_VERSION}-{key}.json"
+
+
 def measured_tp_units(cfg: DictConfig, model, denv, device, groups: list[str] | None = None,
                       tps: list[int] | None = None) -> dict:
     """{(None, tp): (block, head, embedding) seconds} for every tp the joint planner may pick on this run's
@@ -133,32 +153,26 @@ def measured_tp_units(cfg: DictConfig, model, denv, device, groups: list[str] | 
     {(group, tp): ...}, each group the median of its own ranks' times. tps: only these degrees (a run
     that names its tp needs no other). Collective; {} on one rank."""
     import torch
-    import torch.distributed as dist
 
     from amsp import control
 
     from ..planner.cache_file import read_shared, write_atomic
-    from ..planner.compute_profile import cache_key, default_cache_dir, medians_by_group, rank_layout
+    from ..planner.compute_profile import medians_by_group
     from ..planner.from_config import planner_config
     from ..planner.joint.search import tp_candidates
-    from ..planner.startup import cores_shared, ranks_per_node, timing_dtype
-    from .tp_profile import TP_PROFILE_VERSION, TPUnitTimes, measure_tp_units
+    from ..planner.startup import ranks_per_node, timing_dtype
+    from .tp_profile import TPUnitTimes, measure_tp_units
 
     p = planner_config(cfg)
     device = torch.device(device)
     seq, mbs = int(cfg.data.seq_len), int(cfg.trainer.micro_batch_size)
     dtype = timing_dtype(cfg, device)
-    backend = dist.get_backend() if dist.is_initialized() else None
-    layout = rank_layout(groups, device) if groups is not None else None
-    key = cache_key(model, seq, mbs, dtype, "none", device, denv.world_size, backend, cores_shared(device, denv),
-                    layout)
-    cache = pathlib.Path(p.cache_dir) if p.cache_dir else default_cache_dir()  # as the compute profile
     field = "times" if groups is None else "times_by_group"
     out = {}
     candidates = tp_candidates(model, ranks_per_node(cfg, denv.local_world_size), seq)[1:]  # tp 1: the profile
     for tp in [t for t in candidates if tps is None or t in tps]:
         # sequence and loss parallelism on, as the run applies them
-        path = cache / f"tp{tp}-v{TP_PROFILE_VERSION}-{key}.json"
+        path = tp_cache_path(cfg, model, denv, device, tp, groups)
         cached = read_shared(path, field, p.probe_cache, denv.rank, denv.world_size > 1, "tensor-parallel profile")
         if cached is not None:
             by_group = {None: TPUnitTimes(**cached)} if groups is None else \
@@ -170,7 +184,7 @@ def measured_tp_units(cfg: DictConfig, model, denv, device, groups: list[str] | 
             rows = control.all_gather_object([mine.block_s, mine.head_s, mine.embedding_s])
             by_group = {g: TPUnitTimes(tp, *med) for g, med in medians_by_group(rows, groups).items()}
         if cached is None and denv.rank == 0:
-            write_atomic(path, {"key": key, field: vars(by_group[None]) if groups is None else
+            write_atomic(path, {"key": path.stem, field: vars(by_group[None]) if groups is None else
                                 {g: vars(t) for g, t in by_group.items()}})
         for g, times in by_group.items():
             if denv.rank == 0:

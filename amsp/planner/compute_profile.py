@@ -36,6 +36,12 @@ class ComputeProfile:
     # The cache file this profile was read from or written to (not stored in it): the recheck removes a
     # file whose profile the run's own steps contradict (cache_file.forget_if_stale).
     cache_file: str | None = dc_field(default=None, compare=False)
+    # Under tensor parallelism the block, head and embedding times come from the TP units' cache file
+    # (startup.tp_local_profile): the recheck removes that one too, or a TP run would plan from it forever.
+    units_cache_file: str | None = dc_field(default=None, compare=False)
+
+    def cache_files(self) -> list[str]:
+        return [f for f in (self.cache_file, self.units_cache_file) if f]
 
 
 # ---- measurement at startup -------------------------------------------------------------------
@@ -380,7 +386,7 @@ def _measure(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, wor
 
 
 def _stored(profile: ComputeProfile) -> dict:
-    return {k: v for k, v in asdict(profile).items() if k != "cache_file"}
+    return {k: v for k, v in asdict(profile).items() if k not in ("cache_file", "units_cache_file")}
 
 
 def rank_layout(rank_groups: list[str], device) -> list[tuple[str, str]]:

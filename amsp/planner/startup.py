@@ -148,7 +148,7 @@ def tp_local_profile(profile: ComputeProfile, cfg: DictConfig, model, denv, devi
     The TP measurement is forward + backward in one; it is split as the whole block splits. Collective."""
     from dataclasses import replace
 
-    from amsp.parallel.joint_startup import measured_tp_units
+    from amsp.parallel.joint_startup import measured_tp_units, tp_cache_path
 
     units = measured_tp_units(cfg, model, denv, device, tps=[tp])
     if (None, tp) not in units:
@@ -159,7 +159,8 @@ def tp_local_profile(profile: ComputeProfile, cfg: DictConfig, model, denv, devi
     share = profile.block_forward_s / whole if whole > 0 else 1 / 3
     return replace(profile, block_forward_s=block_s * share, block_backward_s=block_s * (1 - share),
                    head_forward_backward_s=head_s, embedding_s=emb_s,
-                   source=f"{profile.source}; TP-local units at tp {tp} measured on TP groups")
+                   source=f"{profile.source}; TP-local units at tp {tp} measured on TP groups",
+                   units_cache_file=str(tp_cache_path(cfg, model, denv, device, tp)))
 
 
 def kernels_for_run(cfg: DictConfig, device) -> Kernels:

@@ -212,16 +212,41 @@ def test_compiled_profile_times_the_compiled_block_without_recompiling():
 def test_tp_rank_profile_is_its_tp_local_units(monkeypatch):
     """parallel.tp > 1: the block, head and embedding a rank runs are the TP-local units timed on TP groups,
     split forward / backward as the whole block splits (a whole block priced tp times the work)."""
+    from amsp.launch import DistEnv
     from amsp.parallel import joint_startup
     from amsp.planner.__main__ import compose_config
     from amsp.planner.startup import tp_local_profile
 
-    whole = ComputeProfile(0.01, 0.02, 0.005, 0.001, 0.3, "measured on x", optimizer_s_per_elem=1e-9)
+    whole = ComputeProfile(0.01, 0.02, 0.005, 0.001, 0.3, "measured on x", optimizer_s_per_elem=1e-9,
+                           cache_file="/c/compute-1.json")
     cfg = compose_config(TINY + ["parallel.tp=2"])
+    denv = DistEnv(rank=0, world_size=4, local_rank=0, local_world_size=4, launcher="torchrun")
     monkeypatch.setattr(joint_startup, "measured_tp_units", lambda *a, **k: {(None, 2): (0.012, 0.004, 0.002)})
-    got = tp_local_profile(whole, cfg, _model(cfg), None, "cpu", 2)
+    got = tp_local_profile(whole, cfg, _model(cfg), denv, "cpu", 2)
     assert got.block_forward_s == pytest.approx(0.004) and got.block_backward_s == pytest.approx(0.008)
     assert (got.head_forward_backward_s, got.embedding_s) == (0.004, 0.002)
     assert got.optimizer_s_per_elem == 1e-9 and got.overlap_slowdown == 0.3 and "TP-local units at tp 2" in got.source
+    # both files it came from, for the recheck to remove when the run contradicts them
+    units_file = str(joint_startup.tp_cache_path(cfg, _model(cfg), denv, "cpu", 2))
+    assert pathlib.Path(units_file).name.startswith("tp2-") and got.cache_files() == ["/c/compute-1.json", units_file]
     with pytest.raises(ValueError, match="no tensor-parallel profile"):
-        tp_local_profile(whole, cfg, _model(cfg), None, "cpu", 4)
+        tp_local_profile(whole, cfg, _model(cfg), denv, "cpu", 4)
+
+
+def test_the_recheck_removes_every_cache_file_a_contradicted_profile_came_from(tmp_path):
+    """A tensor-parallel run's block times come from the TP units' file: a stale one is removed with the
+    compute profile's, or every later TP startup would plan from it."""
+    from types import SimpleNamespace
+
+    from amsp.replan_switch import _forget_stale_caches
+
+    files = [tmp_path / "compute-1.json", tmp_path / "tp2-v1-1.json"]
+    for f in files:
+        f.write_text("{}")
+    prof = ComputeProfile(0.01, 0.02, 0.005, 0.001, None, "cache", cache_file=str(files[0]),
+                          units_cache_file=str(files[1]))
+    opts, cluster = SimpleNamespace(compute=prof), SimpleNamespace(source="preset cpu")
+    assert _forget_stale_caches(opts, cluster, SimpleNamespace(compute_scale=1.2, comm_scale=1.0)) == (None, None)
+    assert all(f.exists() for f in files)
+    removed, probe = _forget_stale_caches(opts, cluster, SimpleNamespace(compute_scale=0.2, comm_scale=1.0))
+    assert removed == f"{files[0]}, {files[1]}" and probe is None and not any(f.exists() for f in files)
