@@ -200,6 +200,9 @@ class ClusterConfig:
     peak_tflops: Optional[float] = None  # dense, training dtype; None: measured at run time (cpu)
     memory_bandwidth_gbs: float = 10.0
     dtype: str = "fp32"  # what trainer.dtype=auto means on this cluster
+    # cpu | cuda: what the devices can run beside each other (CUDA streams: the overlapped optimizer
+    # update, amsp.overlap_update, hides there; on CPU it runs inline). A run's own device overrides it.
+    device: str = "cpu"
     intra_node: Dict[str, Any] = field(default_factory=dict)  # kind -> {size: GB/s}; checked on load
     inter_node: Dict[str, Any] = field(default_factory=dict)
     intra_latency_us: float = 50.0

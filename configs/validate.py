@@ -98,6 +98,7 @@ RULES: tuple[Rule, ...] = (
     one_of("amsp.precision", "auto", "fp32", "bf16"),
     one_of("amsp.grad_comm", "auto", "fp32", "bf16"),
     one_of("model.compile", "auto", "on", "off"),
+    one_of("cluster.device", "cpu", "cuda"),
     int_at_least("amsp.spread_window", 1),
     int_at_least("amsp.ranks_per_node", 1, optional=True),
     *(int_at_least(f"amsp.{k}", 1, optional=True)

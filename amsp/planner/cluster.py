@@ -135,6 +135,8 @@ class ClusterSpec:
     # The compute profile is timed with every rank busy; a pipeline stage idle in the bubble hands its
     # cores to the busy ones (amsp/planner/joint/search.py prices that).
     shared_cores: tuple[int, float] | None = None
+    # cpu | cuda: CUDA streams run an overlapped optimizer update beside the forward; CPU ranks run it inline
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.ranks_per_node < 1:
@@ -231,4 +233,5 @@ def cluster_from_config(c, nodes: int | None = None, ranks_per_node: int | None 
         name=d["name"], nodes=nodes or d["nodes"], ranks_per_node=ranks_per_node or d["ranks_per_node"],
         device_memory_bytes=int(d["device_memory_gib"] * 2**30), peak_flops=d["peak_tflops"] * 1e12,
         memory_bandwidth_gbs=d["memory_bandwidth_gbs"], dtype=d["dtype"], curves=curves, fallback=fallback,
-        source="preset" if curves else "alpha-beta", overlap_slowdown=d.get("overlap_slowdown", 0.1))
+        source="preset" if curves else "alpha-beta", overlap_slowdown=d.get("overlap_slowdown", 0.1),
+        device=d.get("device", "cpu"))

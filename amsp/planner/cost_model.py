@@ -33,7 +33,12 @@ M micro-batches (F, B: forward / backward compute of one block; B includes recom
   * the parameter spread joins the forward gather's window in the first micro-batch when
     overlap_spread is on, else it is exposed;
   * the optimizer step over the OS shard is memory-bound and exposed (its rate timed at startup,
-    compute_profile.time_optimizer; else the cluster's memory bandwidth).
+    compute_profile.time_optimizer; else the cluster's memory bandwidth). With Options.overlap_update
+    on a CUDA cluster each unit's update runs on a side stream in forward order and the unit's forward
+    waits for it alone: the embedding's and the first block's updates are exposed (nothing before them
+    to hide behind), every later unit's only beyond the forward of the unit before it (F, first
+    micro-batch); the hidden part slows compute by overlap_slowdown as hidden communication does (the
+    update is a memory-bound kernel beside the forward's; not measured apart).
 Each unit's exposure depends only on its own degrees and on fixed compute windows, so the step time
 is a constant plus a sum of per-group terms: the ILP optimises exactly this function (contention
 between a boundary unit's traffic and its neighbouring block's is ignored, the one approximation
@@ -88,6 +93,9 @@ class Options:
     reserved_bytes: int = 1 << 30  # runtime outside the allocator: CUDA context, kernels, workspaces
     overlap_spread: bool = True
     spread_window: int = 2  # units whose parameter spread may be in flight at once (the engine's)
+    # amsp.overlap_update: each unit's AdamW update waits for the unit's next forward; on a CUDA cluster it
+    # runs on a side stream beside the forward before it (priced hidden there), on CPU inline (exposed)
+    overlap_update: bool = False
     # compute seconds lost per second of hidden communication; None: the compute profile's
     # measurement, else the cluster preset's figure
     overlap_slowdown: float | None = None
@@ -429,7 +437,21 @@ class CostModel:
         exposed = {"forward": fwd_total, "backward": (m - 1) * bwd(0.0) + bwd_last, "spread": spread_exposed}
         raw = sum(x.seconds * x.count for x in cs.values())
         hidden = max(0.0, raw - sum(exposed.values()))
-        return {**exposed, "contention": self.overlap_slowdown * hidden, "optimizer": opt}
+        opt_exposed = self.update_exposed(role, opt)
+        hidden += opt - opt_exposed
+        return {**exposed, "contention": self.overlap_slowdown * hidden, "optimizer": opt_exposed}
+
+    def update_exposed(self, role: str, opt: float) -> float:
+        """Exposed seconds of one unit's optimizer update (`opt`): all of it unless it runs on a side stream
+        (overlap_update on CUDA), where the embedding (first in the forward) and the first block wait for
+        theirs and each later unit's hides behind the forward of the unit before it. The first block's
+        exposure is spread over the blocks, which share one term (the sum over the layers is exact)."""
+        if not (self.o.overlap_update and self.c.device == "cuda") or role == "embedding":
+            return opt
+        beyond = max(0.0, opt - self.F)
+        if role == "block":
+            return (opt + (self.w.layers - 1) * beyond) / self.w.layers
+        return beyond  # the head: last in the forward
 
     # ---- per-group terms (what the ILP combines) ----
     def roles_of(self, group: str) -> list[tuple[str, int]]:

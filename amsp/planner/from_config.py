@@ -55,6 +55,7 @@ def options_from_config(cfg: DictConfig, compute: ComputeProfile | None = None) 
     window = OmegaConf.select(cfg, "amsp.spread_window", default=Options.spread_window)
     return Options(mfu=p.mfu, memory_margin=p.memory_margin, reserved_bytes=int(p.reserved_gib * 2**30),
                    overlap_spread=bool(spread), spread_window=int(window), overlap_slowdown=p.overlap_slowdown,
+                   overlap_update=bool(OmegaConf.select(cfg, "amsp.overlap_update", default=False)),
                    compute=compute,
                    state_budget_bytes=None if p.state_budget_gib is None else p.state_budget_gib * 2**30)
 
@@ -139,7 +140,22 @@ def resolve_measured_fields(c: DictConfig, local_ranks: int, dtype_name: str, de
 def cluster_spec(cfg: DictConfig, nodes: int | None = None, ranks_per_node: int | None = None,
                  local_ranks: int | None = None, device=None) -> ClusterSpec:
     """The ClusterSpec for this config; nodes / ranks_per_node from the launcher when given. On a
-    CUDA device with the default cpu preset, the device's own preset (device_preset.py)."""
+    CUDA device with the default cpu preset, the device's own preset (device_preset.py). A run's device
+    is the spec's device, whatever the preset says (a GPU preset named for a CPU run runs inline)."""
+    from dataclasses import replace
+
+    spec = _cluster_spec(cfg, nodes, ranks_per_node, local_ranks, device)
+    if device is None:
+        return spec
+    import torch
+
+    return replace(spec, device=torch.device(device).type)
+
+
+def _cluster_spec(cfg: DictConfig, nodes: int | None, ranks_per_node: int | None, local_ranks: int | None,
+                  device) -> ClusterSpec:
+    from dataclasses import replace
+
     c = cfg.cluster
     if device is not None and str(device).startswith("cuda"):
         import torch
@@ -156,8 +172,6 @@ def cluster_spec(cfg: DictConfig, nodes: int | None = None, ranks_per_node: int 
         c = resolve_measured_fields(c, local, dtype, device)
         c.dtype = "bf16" if cuda else c.dtype  # what the engine's auto precision picks on this device
         if not cuda:  # this machine's CPU, measured: its ranks share its cores
-            from dataclasses import replace
-
             spec = replace(cluster_from_config(c, nodes=nodes, ranks_per_node=ranks_per_node),
                            shared_cores=cpu_shared_cores(local))
             if spec.shared_cores is not None:

@@ -138,3 +138,32 @@ def test_measured_compute_replaces_the_assumed_mfu():
 
 def model_plan(model: CostModel, name: str):
     return make_plan(name, model.dp_world, model.dp_per_node)
+
+
+def test_an_overlapped_update_is_priced_hidden_on_cuda_and_inline_on_cpu():
+    """amsp.overlap_update: on a CUDA cluster each unit's update hides behind the forward of the unit before
+    it, except the embedding's and the first block's; the hidden part costs compute what hidden traffic
+    does. On CPU the update runs inline at its unit's forward: priced as without the switch."""
+    from amsp.planner.__main__ import compose_config
+    from amsp.planner.from_config import cluster_spec, options_from_config
+
+    c = preset("h100x8").with_shape(1, 8)
+    w = llama7b_at(8)
+    base, over = CostModel(w, c), CostModel(w, c, Options(overlap_update=True))
+    inline = CostModel(w, dataclasses.replace(c, device="cpu"), Options(overlap_update=True))
+    plan = model_plan(base, "zero1")
+    deg = plan.blocks
+    b, o, i = (m.unit_exposure("block", deg) for m in (base, over, inline))
+    assert 0 < b["optimizer"] < base.F  # a block's update is shorter than a block's forward here
+    assert o["optimizer"] == pytest.approx(b["optimizer"] / w.layers)  # only the first block's is exposed
+    assert o["contention"] - b["contention"] == pytest.approx(
+        over.overlap_slowdown * (b["optimizer"] - o["optimizer"]))
+    assert i == b
+    assert over.unit_exposure("embedding", plan.embed_head)["optimizer"] == base.unit_exposure("embedding", plan.embed_head)[
+        "optimizer"] > 0  # first in the forward: nothing to hide behind
+    assert over.unit_exposure("head", plan.embed_head)["optimizer"] == 0.0
+    assert over.evaluate(plan).step_time_s < base.evaluate(plan).step_time_s == inline.evaluate(plan).step_time_s
+    # the switch and the run's device reach the cost model from the config
+    cfg = compose_config(["cluster=h100x8", "amsp.overlap_update=true"])
+    assert options_from_config(cfg).overlap_update and not options_from_config(compose_config([])).overlap_update
+    assert cluster_spec(cfg).device == "cuda" and cluster_spec(cfg, device="cpu").device == "cpu"
