@@ -96,7 +96,8 @@ def _plan(cfg, denv, device, run_dir, mixed, r, points, profiles: dict, tp_times
                        reserved_bytes=p.reserved_gib * 2**30, overlap_slowdown=p.overlap_slowdown,
                        unit_times=jc.unit_times, overlap_spread=bool(cfg.amsp.overlap_spread),
                        spread_window=int(cfg.amsp.spread_window), optimizer_s_per_elem=jc.optimizer_s_per_elem or None,
-                       kernels=kernels, sequence_parallel=bool(cfg.parallel.sequence_parallel))
+                       kernels=kernels, sequence_parallel=bool(cfg.parallel.sequence_parallel),
+                       overlap_update=bool(cfg.amsp.overlap_update))
     text = f"joint planner (compute: {'; '.join(sources)}; {kernels.describe()})\n" + format_joint(plans, cluster)
     log.info("%s", text)
     if run_dir is not None:

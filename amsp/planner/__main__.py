@@ -224,7 +224,8 @@ def _run_joint(cfg, args) -> int:
                        reserved_bytes=p.reserved_gib * 2**30, overlap_slowdown=p.overlap_slowdown, progress=log,
                        unit_times=jc.unit_times, optimizer_s_per_elem=jc.optimizer_s_per_elem or None,
                        overlap_spread=bool(cfg.amsp.overlap_spread), spread_window=int(cfg.amsp.spread_window),
-                       sequence_parallel=bool(cfg.parallel.sequence_parallel))
+                       sequence_parallel=bool(cfg.parallel.sequence_parallel),
+                       overlap_update=bool(cfg.amsp.overlap_update))
     kernels = default_kernels(to_llama_config(cfg.model))  # what plan_joint assumes without a device
     if args.json:
         print(json.dumps({"choice": plans[0].to_json(), "alternatives": [x.to_json() for x in plans[1:]],

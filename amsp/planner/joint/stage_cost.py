@@ -63,6 +63,9 @@ class Setting:
     # what the run's device executes (Workload.kernels; None: every op model.fused enables, fused)
     kernels: Kernels | None = None
     sequence_parallel: bool = True  # parallel.sequence_parallel
+    # amsp.overlap_update: on a CUDA node group each unit's update hides behind the forward before it
+    # (cost_model.CostModel.update_exposed's rule, per stage); on CPU it runs inline
+    overlap_update: bool = False
 
     def workload(self, recompute: str = "none") -> Workload:
         # pp = 1: a stage's own layers, priced as one stage of the pipeline when pp > 1
@@ -182,6 +185,22 @@ class StagePricer:
         self.block_working = w.block_backward_transient_bytes()
 
     # ---- compute ----
+    def update_s(self, n_blocks: int, embed: bool, head: bool, per_elem: float, slowdown: float) -> float:
+        """The stage's optimizer update in the step time: all of it, or with amsp.overlap_update on a CUDA
+        node group the updates of the stage's first unit (and the embedding's) plus what each later
+        unit's exceeds the forward before it (a block's forward taken as a third of its forward +
+        backward), and the hidden rest at the overlap slowdown hidden communication costs."""
+        pe, pb, ph = self.params
+        units = ([pe] if embed else []) + [pb] * n_blocks + ([ph] if head and ph else [])
+        whole = sum(units) * per_elem
+        if not (self.s.overlap_update and self.g.spec.device == "cuda") or not units:
+            return whole
+        window = self.costs.block / 3
+        waits = ([pe] if embed else []) + ([pb] if n_blocks else [])  # nothing before them to hide behind
+        rest = units[len(waits):]
+        exposed = sum(waits) * per_elem + sum(max(0.0, u * per_elem - window) for u in rest)
+        return exposed + slowdown * (whole - exposed)
+
     def compute_s(self, n_blocks: int, embed: bool, head: bool, recompute: bool) -> float:
         c = self.costs
         return (n_blocks * (c.block_full if recompute else c.block) + (c.embed if embed else 0.0)
@@ -306,11 +325,12 @@ class StagePricer:
                 once = n_blocks * once_b + once_e + once_h
                 params = n_blocks * pb + (pe if embed else 0) + (ph if head else 0)
                 rate = self.s.optimizer_s_per_elem.get(self.g.name)
-                optim = params / deg.os * (rate if rate is not None else
-                                           OPTIM_BYTES_TOUCHED / (self.g.spec.memory_bandwidth_gbs * 1e9))
+                per_elem = (rate if rate is not None else
+                            OPTIM_BYTES_TOUCHED / (self.g.spec.memory_bandwidth_gbs * 1e9)) / deg.os
                 # what the compute cannot hide, plus what hiding the rest costs the compute
                 slowdown = self.s.overlap_slowdown if self.s.overlap_slowdown is not None \
                     else self.g.spec.overlap_slowdown
+                optim = self.update_s(n_blocks, embed, head, per_elem, slowdown)
                 exposed_mb = max(0.0, per_mb - compute) + slowdown * min(per_mb, compute)
                 c = StageChoice(deg, recompute, compute, exposed_mb, once, optim, mem, parts)
                 key = (compute + exposed_mb) * self.s.micro_batches + max(0.0, once - drain_s) + optim
