@@ -244,6 +244,7 @@ def run(cfg: DictConfig) -> None:
         return build_or_explain_oom(build, cfg, denv, device, p)
 
     construction_started, compiled_before = time.perf_counter(), compile_seconds()
+    replanner.mark_engine_start()  # the recheck's CPU memory baseline: after the data, before the model
     engine = build_engine(plan)
     engine_built_s = time.perf_counter() - construction_started
     # Pipeline parallelism: the schedule runs a step's micro-batches through this rank's stage(s).

@@ -26,7 +26,7 @@ import torch
 from omegaconf import OmegaConf
 
 from amsp import control
-from amsp.metrics.memory import current_rss_bytes, peak_memory_bytes
+from amsp.metrics.memory import anon_peak_bytes, anon_rss_bytes
 from amsp.planner import replan as rp
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,9 @@ class Replanner:
         self.joint = joint  # a stage's share of the joint planner's plan (parallel.auto): reported, never switched
         self.user_named = planned is None and not joint
         self.plan = plan
-        # On CPU the peak is the process's RSS: what it held before the engine existed is not the model's.
-        self.baseline_bytes = current_rss_bytes() if self.device.type == "cpu" else 0
+        # On CPU the peak is the process's anonymous memory above what it held just before the engine was
+        # built (mark_engine_start): the runtime, the data pipeline and its loader are not the model's.
+        self.baseline_bytes = anon_rss_bytes() if self.device.type == "cpu" else 0
         self.step_times: list[float] = []
         self.exposed: list[float] = []
         self.done = False
@@ -56,6 +57,11 @@ class Replanner:
     @property
     def enabled(self) -> bool:
         return self.recheck_steps > 0
+
+    def mark_engine_start(self) -> None:
+        """Called just before the first engine is built: the CPU baseline the measured peak is taken above."""
+        if self.device.type == "cpu":
+            self.baseline_bytes = anon_rss_bytes()
 
     # ---- per step ----
     def observe(self, timings: dict, comm_exposed_s: float) -> None:
@@ -72,10 +78,10 @@ class Replanner:
         probed = self._probe_links()  # collective, before rank 0 decides
         step_s = rp.window_median(self.step_times)
         exposed_s = rp.window_median(self.exposed)
-        peak = max(0, peak_memory_bytes(self.device) - self.baseline_bytes)
+        peak, held = self._peaks()
         if self.denv.world_size > 1:
-            step_s, exposed_s, peak = control.all_reduce_max_floats([step_s, exposed_s, float(peak)])
-        measured = rp.Measured(step_s, exposed_s, float(peak), len(self.step_times) - 1)
+            step_s, exposed_s, peak, held = control.all_reduce_max_floats([step_s, exposed_s, float(peak), float(held)])
+        measured = rp.Measured(step_s, exposed_s, float(peak), len(self.step_times) - 1, float(held))
         record = self._decide(measured, probed) if self.denv.rank == 0 else None
         if self.denv.world_size > 1:
             record = control.broadcast_object(record, src=0)
@@ -86,6 +92,24 @@ class Replanner:
         if record["switch"]:
             self.pending = record["new_plan_object"]
             self.reason = record["reason"]
+
+    def _peaks(self) -> tuple[float, float]:
+        """(tensor peak, peak the device held) since the last reset: on CUDA the caching allocator's
+        allocated and reserved peaks; on CPU both the anonymous peak above the engine's start, glibc's
+        retained free blocks included (the process holds them)."""
+        if self.device.type == "cuda":
+            d = self.device
+            return float(torch.cuda.max_memory_allocated(d)), float(torch.cuda.max_memory_reserved(d))
+        peak = float(max(0, anon_peak_bytes() - self.baseline_bytes))
+        return peak, peak
+
+    @staticmethod
+    def _allocator_note(measured: rp.Measured) -> str:
+        """CUDA: the caching allocator's reserved peak beside the tensors' (CPU: the peak is what the process
+        held, glibc's kept free blocks included; what part of it they were at the peak is not knowable)."""
+        if measured.held_bytes in (None, measured.peak_bytes):
+            return ""
+        return f", {measured.held_bytes / _GIB:.3f} GiB reserved by the caching allocator"
 
     def _probe_links(self):
         """The collective probe's (points, source) when the links were never measured this run (startup
@@ -138,11 +162,13 @@ class Replanner:
         err_m = rp.relative_error(prior.memory_total - prior.memory.get("reserved", 0), measured.peak_bytes)
         log.info("planner recheck after %d steps: step time measured %.4f s, predicted %.4f s (error %s); exposed "
                  "communication measured %.4f s, predicted %.4f s; peak memory measured %.3f GiB, predicted %.3f GiB "
-                 "of tensors (error %s); refit: compute x%.3g, communication x%.3g",
+                 "of tensors (error %s)%s; refit: compute x%.3g, communication x%.3g, allocator margin %.0f%% -> "
+                 "%.0f%%",
                  measured.steps, measured.step_s, prior.step_time_s, _pct(err_t), measured.exposed_comm_s,
                  rp.comm_exposed_s(prior), measured.peak_bytes / _GIB,
-                 (prior.memory_total - prior.memory.get("reserved", 0)) / _GIB, _pct(err_m), fit.compute_scale,
-                 fit.comm_scale)
+                 (prior.memory_total - prior.memory.get("reserved", 0)) / _GIB, _pct(err_m),
+                 self._allocator_note(measured), fit.compute_scale,
+                 fit.comm_scale, 100 * options.memory_margin, 100 * options2.memory_margin)
         removed, removed_probe = _forget_stale_caches(options, cluster, fit)
         log.info("planner recheck: %s; refitted prediction %.4f s for %s, %.4f s for %s -> %s", why,
                  current.step_time_s, current.plan, best.step_time_s, best.plan,

@@ -46,6 +46,32 @@ def reset_cpu_peak() -> None:
         pass
 
 
+def _status_kib(fields: tuple[str, ...]) -> dict[str, int] | None:
+    try:
+        with open("/proc/self/status") as f:
+            got = {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in f) if k in fields}
+    except OSError:
+        return None
+    return got if len(got) == len(fields) else None
+
+
+def anon_rss_bytes() -> int:
+    """Anonymous and shared-memory resident bytes now: what the kernel cannot reclaim without swap (the
+    tensors, the runtime's heaps), unlike file-backed pages (code, a memory-mapped dataset). Without the
+    fields (no procfs): the resident set."""
+    got = _status_kib(("RssAnon", "RssShmem"))
+    return current_rss_bytes() if got is None else (got["RssAnon"] + got["RssShmem"]) * 1024
+
+
+def anon_peak_bytes() -> int:
+    """The peak resident set since the last reset less the file-backed pages now: the anonymous peak,
+    exact when no file page (the memory-mapped dataset as training reads it, code as it first runs) was
+    mapped between the peak and now, otherwise short by those pages (a few steps' worth: the window since
+    the last reset)."""
+    got = _status_kib(("VmHWM", "RssFile"))
+    return peak_memory_bytes(torch.device("cpu")) if got is None else (got["VmHWM"] - got["RssFile"]) * 1024
+
+
 def current_rss_bytes() -> int:
     """Resident set size of this process now."""
     try:

@@ -17,8 +17,12 @@ with the corrected constants, not only the one that ran:
     refitted, equals the measured one. When neither side exposes more than 1% of the step the traffic
     was hidden and says nothing about the links: the scale stays 1. The overlap slowdown depends on
     both, so the two are fitted in turn (refit).
-Memory is compared and reported, not refitted: the plan chosen must still fit by the model's own
-terms (amsp/planner/cost_model.py), and a measured peak above the prediction is logged as an error.
+  * memory_scale is what the device held at its peak over the predicted tensor peak: the caching
+    allocator's reserved peak on CUDA, the anonymous peak above the engine's start on CPU (glibc keeps
+    freed blocks, and the runtime grows a little as it runs). The tensors are not rescaled (the
+    prediction of every plan's tensors stays the model's); the allocator margin becomes at least
+    memory_scale - 1 (at most MAX_MARGIN), so a plan the re-solve picks fits with the overhead this run
+    showed. It is never lowered: one run's peak does not show what another plan's allocation pattern keeps.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ MIN_GAIN = 0.05  # a switch must be predicted at least this much faster: a switc
 NOT_WAITS = ("optimizer", "contention")  # exposed-time terms that are compute, not collective waits
 _SCALE_RANGE = (1e-3, 1e3)
 NOISE_FLOOR = 0.01  # exposed communication under 1% of the step on both sides says nothing about the links
+MAX_MARGIN = 0.9  # Options.memory_margin must stay below 1
 
 
 @dataclass(frozen=True)
@@ -43,12 +48,14 @@ class Measured:
     exposed_comm_s: float  # median per-step time stalled in collective waits
     peak_bytes: float  # per-rank peak memory (the largest rank), baseline subtracted on CPU
     steps: int  # steps in the window
+    held_bytes: float | None = None  # the peak the device held (CUDA: reserved); None: peak_bytes
 
 
 @dataclass(frozen=True)
 class Refit:
     compute_scale: float
     comm_scale: float
+    memory_scale: float = 1.0  # held peak / predicted tensor peak (1.0: nothing measured)
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,7 @@ def refitted_inputs(cluster: ClusterSpec, options: Options, refit: Refit) -> tup
     measured profile's seconds (the AdamW rate included) when there is one, else the peak FLOP/s, and in
     both cases the memory bandwidth; communication through the cluster."""
     s = refit.compute_scale
+    options = replace(options, memory_margin=refitted_margin(options.memory_margin, refit.memory_scale))
     if options.compute is not None:
         p = options.compute
         opt = None if p.optimizer_s_per_elem is None else p.optimizer_s_per_elem * s
@@ -106,6 +114,18 @@ def refitted_inputs(cluster: ClusterSpec, options: Options, refit: Refit) -> tup
                           optimizer_s_per_elem=opt, source=f"{p.source}, x{s:.3g} from the recheck")
         return scaled_cluster(cluster, refit.comm_scale, s, flops=False), replace(options, compute=profile)
     return scaled_cluster(cluster, refit.comm_scale, s), options
+
+
+def refitted_margin(margin: float, memory_scale: float) -> float:
+    """The allocator margin after a recheck: raised to the overhead measured (never lowered)."""
+    return max(margin, min(MAX_MARGIN, memory_scale - 1.0))
+
+
+def memory_scale(prior: PlanCost, measured: Measured) -> float:
+    """What the device held at its peak over the predicted tensor peak; 1.0 when either is missing."""
+    tensors = prior.memory_total - prior.memory.get("reserved", 0)
+    held = measured.peak_bytes if measured.held_bytes is None else measured.held_bytes
+    return held / tensors if held > 0 and tensors > 0 else 1.0
 
 
 def _bisect_log(f, target: float) -> float:
@@ -143,7 +163,7 @@ def refit(workload: Workload, cluster: ClusterSpec, options: Options, plan, meas
             comm_scale = 1.0  # (nearly) everything hidden on both sides: no information on the links
         else:
             comm_scale = _bisect_log(lambda c: comm_exposed_s(priced(compute_scale, c)), target_comm)
-    return Refit(compute_scale, comm_scale)
+    return Refit(compute_scale, comm_scale, memory_scale(prior, measured))
 
 
 def decide(current: PlanCost, best: PlanCost, user_named: bool, min_gain: float = MIN_GAIN,

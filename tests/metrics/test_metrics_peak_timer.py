@@ -102,6 +102,21 @@ del big
 assert peak_memory_bytes(cpu) >= grown - MiB  # a high-water mark: freeing does not lower it
 reset_cpu_peak()
 assert peak_memory_bytes(cpu) <= grown - 100 * MiB  # the reset restarts it from the current RSS
+# The recheck's CPU peak (amsp/replan_switch.py): anonymous memory only. A memory-mapped file read after
+# the baseline (a dataset as training reads it) is not the model's; a freed tensor's peak is.
+import mmap, tempfile
+from amsp.metrics.memory import anon_peak_bytes, anon_rss_bytes
+base = anon_rss_bytes()
+with tempfile.TemporaryFile() as f:
+    f.write(b"x" * (64 * MiB)); f.flush()
+    mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    assert sum(mapped[i] for i in range(0, 64 * MiB, 4096)) == ord("x") * 16384  # every page resident
+    big = torch.ones(128 * MiB // 4)
+    del big
+    got = anon_peak_bytes() - base
+    assert 120 * MiB <= got <= 150 * MiB, got / MiB
+    assert anon_rss_bytes() - base < 16 * MiB
+    mapped.close()
 print("ok")
 """
 

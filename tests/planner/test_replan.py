@@ -127,3 +127,22 @@ def test_wrong_prior_is_corrected_by_one_recheck():
 def test_relative_error():
     assert rp.relative_error(1.1, 1.0) == pytest.approx(0.1)
     assert rp.relative_error(1.0, 0.0) is None
+
+
+def test_the_allocator_margin_is_raised_to_the_overhead_a_run_held_never_lowered():
+    """memory_scale = the peak the device held (CUDA: reserved; CPU: anonymous above the engine's start) over
+    the predicted tensor peak; the re-solve then keeps that much headroom (capped), and a run that held
+    less than its margin leaves the margin as it was."""
+    c = flat_cluster(1, 8)
+    plan = make_plan("zero1", 8, 8)
+    prior = CostModel(W, c, Options()).evaluate(plan)
+    tensors = prior.memory_total - prior.memory.get("reserved", 0)
+    held = rp.Measured(prior.step_time_s, 0.0, peak_bytes=tensors, steps=10, held_bytes=1.3 * tensors)
+    fit = rp.refit(W, c, Options(), plan, held)
+    assert fit.memory_scale == pytest.approx(1.3)
+    _, opts = rp.refitted_inputs(c, Options(memory_margin=0.08), fit)
+    assert opts.memory_margin == pytest.approx(0.3)
+    assert rp.refitted_margin(0.08, 0.97) == 0.08 and rp.refitted_margin(0.08, 5.0) == rp.MAX_MARGIN
+    cpu = rp.Measured(prior.step_time_s, 0.0, peak_bytes=1.1 * tensors, steps=10)  # no held: the peak itself
+    assert rp.refit(W, c, Options(), plan, cpu).memory_scale == pytest.approx(1.1)
+    assert rp.refit(W, c, Options(), plan, rp.Measured(1.0, 0.0, 0.0, 10)).memory_scale == 1.0  # nothing measured
