@@ -297,7 +297,8 @@ def run(cfg: DictConfig) -> None:
     # Rank 0 starts wandb; a failure there (not logged in, no network) stops every rank with its one line.
     wandb_run, problem = None, None
     try:
-        wandb_run = make_wandb(cfg, run_dir, denv.rank, resume_id=wandb_id)
+        with replanner.beside_the_model():  # the wandb client's memory is not the model's (the recheck's CPU peak)
+            wandb_run = make_wandb(cfg, run_dir, denv.rank, resume_id=wandb_id)
     except InputError as e:
         problem = str(e)
     problem = control.broadcast_object(problem, src=0) if denv.world_size > 1 else problem

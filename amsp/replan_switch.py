@@ -16,6 +16,7 @@ the recheck reports only. One recheck per process: a resumed run rechecks again.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import pathlib
@@ -62,6 +63,17 @@ class Replanner:
         """Called just before the first engine is built: the CPU baseline the measured peak is taken above."""
         if self.device.type == "cpu":
             self.baseline_bytes = anon_rss_bytes()
+
+    @contextlib.contextmanager
+    def beside_the_model(self):
+        """Memory allocated inside this block after the engine's start (the wandb client, started once the
+        checkpoint has told its run id) is the runtime's: on CPU it joins the baseline."""
+        before = anon_rss_bytes() if self.device.type == "cpu" else 0
+        try:
+            yield
+        finally:
+            if self.device.type == "cpu":
+                self.baseline_bytes += max(0, anon_rss_bytes() - before)
 
     # ---- per step ----
     def observe(self, timings: dict, comm_exposed_s: float) -> None:
