@@ -18,6 +18,7 @@ choice of "off" sets it to off.
 from __future__ import annotations
 
 import logging
+import math
 import pathlib
 from dataclasses import asdict, dataclass
 
@@ -33,14 +34,18 @@ MIN_GAIN = 0.03
 @dataclass(frozen=True)
 class CompileChoice:
     eager_s: float  # one block, forward + backward, one micro-batch at the run's shape
-    compiled_s: float
+    compiled_s: float  # inf: compiling the block failed (`failure` says how)
     source: str  # "measured on <device>" or "cache PATH (measured on <device>)"
+    failure: str | None = None
 
     @property
     def compile(self) -> bool:
         return compiled_wins(self.eager_s, self.compiled_s)
 
     def describe(self) -> str:
+        if self.failure is not None:
+            return (f"compiling one block failed ({self.failure}): eager blocks (one block forward + backward "
+                    f"{self.eager_s * 1e3:.2f} ms; {self.source})")
         gain = 1 - self.compiled_s / self.eager_s if self.eager_s > 0 else 0.0
         return (f"one block forward + backward {self.eager_s * 1e3:.2f} ms eager, {self.compiled_s * 1e3:.2f} ms "
                 f"compiled ({gain:+.1%}; compiled is kept at >= {MIN_GAIN:.0%} faster): "
@@ -88,10 +93,18 @@ def measure_choice(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, d
     log.info("model.compile=auto: timing one block (dim %d, micro-batch %d x %d, %s) forward + backward on %s, "
              "eager and compiled", model_cfg.dim, micro_batch, seq_len, dtype_name, device_name(device))
     eager = block_step_seconds(model_cfg, seq_len, micro_batch, dtype_name, device, compiled=False)
-    compiled = block_step_seconds(model_cfg, seq_len, micro_batch, dtype_name, device, compiled=True)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # the two one-block models are gone before the engine allocates
-    choice = CompileChoice(eager, compiled, f"measured on {device_name(device)}")
+    where = f"measured on {device_name(device)}"
+    try:
+        compiled = block_step_seconds(model_cfg, seq_len, micro_batch, dtype_name, device, compiled=True)
+    except Exception as e:  # noqa: BLE001 - inductor, triton or a graph break: eager is what runs; not cached,
+        # so the next start tries again (a missing compiler may be installed by then)
+        log.warning("model.compile=auto: compiling one block failed, so the blocks run eagerly: %s: %s",
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return CompileChoice(eager, math.inf, where, failure=f"{type(e).__name__}")
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the one-block models are gone before the engine allocates
+    choice = CompileChoice(eager, compiled, where)
     write_atomic(path, {"key": key, "choice": asdict(choice)})
     return choice
 

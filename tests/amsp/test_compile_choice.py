@@ -86,3 +86,19 @@ def test_measured_on_this_device_then_read_from_the_cache(tmp_path, monkeypatch,
     with caplog.at_level("WARNING", logger="amsp.compile_choice"):
         redone = measure_choice(m, 32, 2, "fp32", "cpu", tmp_path)
     assert "unusable" in caplog.text and redone.eager_s == 0.5 and not redone.compile
+
+
+def test_a_block_that_does_not_compile_runs_eagerly_said_so_and_is_tried_again_next_start(tmp_path, monkeypatch,
+                                                                                           caplog):
+    def timing(*a, compiled, **k):
+        if compiled:
+            raise RuntimeError("triton not found\nmore detail")
+        return 0.02
+    monkeypatch.setattr(cc, "block_step_seconds", timing)
+    m = to_llama_config(_cfg().model)
+    with caplog.at_level("WARNING", logger="amsp.compile_choice"):
+        choice = measure_choice(m, 32, 2, "fp32", "cpu", tmp_path)
+    assert not choice.compile and choice.failure == "RuntimeError"
+    assert "compiling one block failed, so the blocks run eagerly: RuntimeError: triton not found" in caplog.text
+    assert "compiling one block failed (RuntimeError): eager blocks" in choice.describe()
+    assert not list(tmp_path.glob("compile-choice-*.json"))  # not cached: the next start tries again
