@@ -4,7 +4,10 @@ Parameter hooks live in autograd's C++ objects, which Python's garbage collector
 holding the engine (or a unit, which holds the parameters) closes a cycle engine -> model -> parameter ->
 hook -> engine that no gc.collect() frees, so a dropped engine kept every byte of its device memory (seen
 on an H100: 32 GB still allocated after the benchmark deleted the engine). These hooks hold the engine
-weakly and its units by position in engine.units (tests/amsp/test_engine_lifetime.py).
+weakly and its units and parameter slots by position (engine.units[i].slots[j]): a slot names its module,
+so a parameter hook holding one closed the cycle parameter -> hook -> slot -> module -> parameter, and
+every hooked module outlived the engine with its parameters and the flat buffers they view (the 3.6 GiB
+of bf16 weights a deleted engine left on the H100). tests/amsp/test_engine_lifetime.py.
 """
 from __future__ import annotations
 
@@ -12,11 +15,17 @@ import weakref
 from dataclasses import dataclass
 from typing import Callable
 
-from .flat_unit import FlatUnit
+from .flat_unit import FlatUnit, ParamSlot
 
 
 @dataclass(frozen=True)
 class _UnitAt:
+    index: int
+
+
+@dataclass(frozen=True)
+class _SlotAt:
+    unit: int
     index: int
 
 
@@ -31,10 +40,12 @@ class EngineHook:
         """hook(method, *args) -> a hook calling engine.method(*args, *hook_args); units among args are
         kept by position. One weak reference and one position table for all of an engine's hooks."""
         ref = weakref.ref(engine)
-        position = {id(u): i for i, u in enumerate(engine.units)}
+        position = {id(u): _UnitAt(i) for i, u in enumerate(engine.units)}
+        position.update({id(s): _SlotAt(i, j) for i, u in enumerate(engine.units) for j, s in enumerate(u.slots)})
 
         def hook(method: str, *args) -> EngineHook:
-            return cls(ref, method, tuple(_UnitAt(position[id(a)]) if isinstance(a, FlatUnit) else a for a in args))
+            return cls(ref, method, tuple(position[id(a)] if isinstance(a, (FlatUnit, ParamSlot)) else a
+                                          for a in args))
 
         return hook
 
@@ -42,5 +53,12 @@ class EngineHook:
         engine = self._engine()
         if engine is None:  # the engine is gone; its model may outlive it (e.g. the caller kept it)
             return None
-        args = (engine.units[a.index] if isinstance(a, _UnitAt) else a for a in self._args)
-        return getattr(engine, self._method)(*args, *hook_args)
+        return getattr(engine, self._method)(*(_resolve(engine, a) for a in self._args), *hook_args)
+
+
+def _resolve(engine, arg):
+    if isinstance(arg, _UnitAt):
+        return engine.units[arg.index]
+    if isinstance(arg, _SlotAt):
+        return engine.units[arg.unit].slots[arg.index]
+    return arg
