@@ -100,8 +100,10 @@ class Options:
     # measurement, else the cluster preset's figure
     overlap_slowdown: float | None = None
     compute: ComputeProfile | None = None  # measured compute; None: FLOPs at `mfu` of the peak
-    # "unit": one collective per flat unit and phase (this engine); "tensor": one per parameter tensor
-    # (DeepSpeed ZeRO-3's per-submodule fetch), a what-if for comparing with published systems
+    # "unit": one collective per flat unit and phase (this engine); "tensor": DeepSpeed ZeRO-3's, a what-if
+    # for comparing with published systems: one parameter all-gather per submodule (each linear weight, the
+    # embedding, the head) in the forward and the backward, parameters under its persistence threshold
+    # (the norms) never gathered, gradients reduce-scattered in buckets (one collective per unit here)
     granularity: str = "unit"
     # A cap on model states (params + grads + optimizer states, bytes per rank) besides the device
     # fit: a budget stated per parameter (the ZeRO papers' memory regime, the shoot-out's), or room
@@ -173,6 +175,9 @@ def layout(key: str, deg: Degrees, r: int, n: int) -> tuple[int, int, int]:
         return shard(n)
     raise KeyError(key)
 
+
+# DeepSpeed ZeRO-3's stage3_param_persistence_threshold default: smaller parameters are never partitioned
+PERSISTENCE_THRESHOLD = 100_000
 
 _PHASE_SPEC = (  # phase, kind, group key, elements divisor, dtype ('p' or 'g'), per micro-batch
     ("forward", "all_gather", "p", "1", "p", True),
@@ -366,21 +371,24 @@ class CostModel:
             t = self._seconds[key] = sum(collective_seconds(self.c, kind, nbytes * f, n, k, m) for f in shares)
         return Priced(phase, kind, unit, n, k, m, nbytes, count, t)
 
-    def tensor_shares(self, role: str) -> tuple[float, ...]:
-        """Each parameter tensor's share of a unit (granularity='tensor'); (1.0,) for one flat unit."""
-        if self.o.granularity == "unit":
+    def tensor_shares(self, role: str, phase: str = "forward") -> tuple[float, ...]:
+        """How a unit's bytes split into collectives: (1.0,) for one flat unit; under granularity='tensor'
+        (DeepSpeed ZeRO-3) the parameter gathers split by parameter tensor, the tensors under
+        PERSISTENCE_THRESHOLD elements left out (DeepSpeed keeps them whole on every rank: the norms,
+        whose bytes are negligible beside the matrices'), and the gradient reductions stay bucketed."""
+        if self.o.granularity == "unit" or phase not in ("forward", "backward"):
             return (1.0,)
         m = self.w.model
         q, kv, ffn = m.dim * m.n_heads * m.head_dim, m.dim * m.n_kv_heads * m.head_dim, m.dim * m.ffn_hidden_dim
         head = [m.dim] + ([] if m.tie_embeddings else [m.vocab_size * m.dim])
         sizes = {"block": [q, q, kv, kv, ffn, ffn, ffn, m.dim, m.dim], "head": head,
                  "embedding": [m.vocab_size * m.dim] + (head if m.tie_embeddings else [])}[role]
+        sizes = [x for x in sizes if x >= PERSISTENCE_THRESHOLD] or [sum(sizes)]
         return tuple(x / sum(sizes) for x in sizes)
 
     def unit_collectives(self, unit: Unit, deg: Degrees, role: str = "block") -> list[Priced]:
         """amsp.schedule.unit_collectives for this unit, priced."""
         s = padded_numel(unit.numel, deg)
-        shares = self.tensor_shares(role)
         out = []
         for phase, kind, key, div, dt, per_mb in _PHASE_SPEC:
             n, k, m = layout(key, deg, self.dp_per_node, self.dp_world)
@@ -388,7 +396,7 @@ class CostModel:
                 elems = s // (1 if div == "1" else getattr(deg, div))
                 nbytes = elems * (self._pb if dt == "p" else self._gb)
                 out.append(self.price(phase, kind, unit.name, n, k, m, nbytes,
-                                       self.w.micro_batches if per_mb else 1, shares))
+                                       self.w.micro_batches if per_mb else 1, self.tensor_shares(role, phase)))
         return out
 
     def _role_collectives(self, role: str, deg: Degrees) -> dict:
