@@ -76,6 +76,8 @@ def _plan(cfg, denv, device, run_dir, mixed, r, points, profiles: dict, tp_times
     from ..planner.startup import kernels_for_run, with_probe
     from ..schedule import Precision
 
+    import torch
+
     p = planner_config(cfg)
     model = to_llama_config(cfg.model)
     seq, mbs = int(cfg.data.seq_len), int(cfg.trainer.micro_batch_size)
@@ -84,9 +86,12 @@ def _plan(cfg, denv, device, run_dir, mixed, r, points, profiles: dict, tp_times
     if mixed is None:
         cluster = from_spec(with_probe(cluster_spec(cfg, nodes=denv.world_size // r, ranks_per_node=r,
                                                     local_ranks=denv.local_world_size, device=device), points, p))
-    else:  # the probe measured this cluster's links as a whole (the slowest rank's figures): every group gets them
-        cluster = dataclasses.replace(mixed, groups=tuple(dataclasses.replace(g, spec=with_probe(g.spec, points, p))
-                                                          for g in mixed.groups))
+    else:  # the probe measured this cluster's links as a whole (the slowest rank's figures): every group gets them;
+        # the run's device is every group's (a GPU preset named for a CPU run runs its updates inline)
+        kind = torch.device(device).type
+        cluster = dataclasses.replace(mixed, groups=tuple(
+            dataclasses.replace(g, spec=dataclasses.replace(with_probe(g.spec, points, p), device=kind))
+            for g in mixed.groups))
     prec = Precision.named(precision_name(cfg, cluster.groups[0].spec))
     jc = joint_compute(cluster, profiles, tp_times, model, seq, mbs, prec, p.mfu, p.overlap_slowdown)
     cluster, sources = jc.cluster, jc.sources
