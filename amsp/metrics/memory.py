@@ -21,17 +21,22 @@ MEMORY_FIELDS = ("memory_peak_bytes", "memory_reserved_peak_bytes", "memory_curr
 MEMORY_KIND = {"cuda": "cuda_allocator", "cpu": "cpu_rss"}
 
 
+def _status_kib(fields: tuple[str, ...]) -> dict[str, int] | None:
+    try:
+        with open("/proc/self/status") as f:
+            got = {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in f) if k in fields}
+    except OSError:
+        return None
+    return got if len(got) == len(fields) else None
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Allocator peak on CUDA, peak RSS of this process image on CPU; both since the last reset."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except OSError:
-        pass
+    got = _status_kib(("VmHWM",))
+    if got is not None:
+        return got["VmHWM"] * 1024
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports kilobytes, macOS bytes.
     return int(rss if sys.platform == "darwin" else rss * 1024)
@@ -44,15 +49,6 @@ def reset_cpu_peak() -> None:
             f.write("5")
     except OSError:  # no procfs: the peak stays the lifetime peak, as documented above
         pass
-
-
-def _status_kib(fields: tuple[str, ...]) -> dict[str, int] | None:
-    try:
-        with open("/proc/self/status") as f:
-            got = {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in f) if k in fields}
-    except OSError:
-        return None
-    return got if len(got) == len(fields) else None
 
 
 def anon_rss_bytes() -> int:

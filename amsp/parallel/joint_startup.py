@@ -69,14 +69,12 @@ def _plan(cfg, denv, device, run_dir, mixed, r, points, profiles: dict, tp_times
 
     from configs.schema import to_llama_config
 
-    from ..planner.from_config import cluster_spec, planner_config, precision_name
+    from ..planner.from_config import cluster_spec, on_device, planner_config, precision_name
     from ..planner.joint.hetero import from_spec
     from ..planner.joint.search import format_joint, plan_joint
     from ..planner.joint_inputs import joint_compute
     from ..planner.startup import kernels_for_run, with_probe
     from ..schedule import Precision
-
-    import torch
 
     p = planner_config(cfg)
     model = to_llama_config(cfg.model)
@@ -88,10 +86,8 @@ def _plan(cfg, denv, device, run_dir, mixed, r, points, profiles: dict, tp_times
                                                     local_ranks=denv.local_world_size, device=device), points, p))
     else:  # the probe measured this cluster's links as a whole (the slowest rank's figures): every group gets them;
         # the run's device is every group's (a GPU preset named for a CPU run runs its updates inline)
-        kind = torch.device(device).type
         cluster = dataclasses.replace(mixed, groups=tuple(
-            dataclasses.replace(g, spec=dataclasses.replace(with_probe(g.spec, points, p), device=kind))
-            for g in mixed.groups))
+            dataclasses.replace(g, spec=on_device(with_probe(g.spec, points, p), device)) for g in mixed.groups))
     prec = Precision.named(precision_name(cfg, cluster.groups[0].spec))
     jc = joint_compute(cluster, profiles, tp_times, model, seq, mbs, prec, p.mfu, p.overlap_slowdown)
     cluster, sources = jc.cluster, jc.sources

@@ -142,11 +142,14 @@ def cluster_spec(cfg: DictConfig, nodes: int | None = None, ranks_per_node: int 
     """The ClusterSpec for this config; nodes / ranks_per_node from the launcher when given. On a
     CUDA device with the default cpu preset, the device's own preset (device_preset.py). A run's device
     is the spec's device, whatever the preset says (a GPU preset named for a CPU run runs inline)."""
+    spec = _cluster_spec(cfg, nodes, ranks_per_node, local_ranks, device)
+    return spec if device is None else on_device(spec, device)
+
+
+def on_device(spec: ClusterSpec, device) -> ClusterSpec:
+    """The spec with the run's device kind (cpu | cuda): what the run executes overrides the preset's."""
     from dataclasses import replace
 
-    spec = _cluster_spec(cfg, nodes, ranks_per_node, local_ranks, device)
-    if device is None:
-        return spec
     import torch
 
     return replace(spec, device=torch.device(device).type)
