@@ -149,6 +149,9 @@ def one_block_inputs(model_cfg, seq_len: int, micro_batch: int, dtype_name: str,
     compiled as model.compile=on compiles it when `compiled`; seeded, so every timing sees the same data."""
     import torch
 
+    if seq_len > model_cfg.max_seq_len:  # train.py's config check refuses this too; a direct caller gets it here
+        raise ValueError(f"sequence length {seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}: the "
+                         "block's rotary tables have only that many positions")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     model = _one_block_model(model_cfg, device, dtype)
     if compiled:

@@ -102,3 +102,11 @@ def test_a_block_that_does_not_compile_runs_eagerly_said_so_and_is_tried_again_n
     assert "compiling one block failed, so the blocks run eagerly: RuntimeError: triton not found" in caplog.text
     assert "compiling one block failed (RuntimeError): eager blocks" in choice.describe()
     assert not list(tmp_path.glob("compile-choice-*.json"))  # not cached: the next start tries again
+
+
+def test_a_sequence_longer_than_the_rotary_tables_is_refused_by_name(tmp_path):
+    """The GPU check's first run of the CUDA test asked for seq 512 of the debug model (256 positions) and
+    failed deep in the rope kernel; the measurement now says what is wrong before building anything."""
+    m = to_llama_config(_cfg("model.dim=64", "model.n_heads=4", "model.n_kv_heads=2").model)
+    with pytest.raises(ValueError, match=r"sequence length 512 exceeds model.max_seq_len=256"):
+        measure_choice(m, 512, 1, "fp32", "cpu", tmp_path, use_cache=False)
