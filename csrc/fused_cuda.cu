@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 
 namespace {
 
@@ -54,6 +55,26 @@ __device__ acc_t block_max(acc_t v, acc_t* shared) {
   return v;
 }
 
+// 16-byte accesses: the row and elementwise kernels below load and store 16 bytes at a time (8 bf16/fp16,
+// 4 float, 2 double values) where the pointers and sizes allow; the scalar kernels take what is left
+// (misaligned views, sizes that are not a multiple of the vector). The first, scalar-only versions ran at
+// about a third of an H100's bandwidth on a 1.88B step's activations (profiled, per call: rope 58 us,
+// RMSNorm forward 58 us and backward 69 us on 4096 x 4096 bf16, SwiGLU forward 134 us and backward
+// 188 us on 4096 x 11008; about 29 ms of a 394 ms step). Per element the math is the scalar kernels'.
+template <typename scalar_t>
+struct alignas(16) Vec16 {
+  static constexpr int N = 16 / sizeof(scalar_t);
+  scalar_t v[N];
+};
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// M values of T in one access (the rotary tables' entries for one vector's pairs).
+template <typename T, int M>
+struct alignas(sizeof(T) * M) Pack {
+  T v[M];
+};
+
 // ---------------------------------------------------------------- RMSNorm
 template <typename scalar_t, typename acc_t>
 __global__ void rms_fwd_kernel(const scalar_t* x, const scalar_t* w, scalar_t* y, acc_t* rstd, int64_t D, acc_t eps) {
@@ -93,6 +114,77 @@ __global__ void rms_bwd_dx_kernel(const scalar_t* dy, const scalar_t* x, const s
   }
 }
 
+// rms_fwd_kernel with 16-byte accesses: D a multiple of the vector, x, w and y 16-byte aligned.
+template <typename scalar_t, typename acc_t>
+__global__ void rms_fwd_vec_kernel(const scalar_t* x, const scalar_t* w, scalar_t* y, acc_t* rstd, int64_t D,
+                                   acc_t eps) {
+  using V = Vec16<scalar_t>;
+  __shared__ acc_t shared[32];
+  const int64_t r = blockIdx.x;
+  const int DV = static_cast<int>(D / V::N);
+  const V* xr = reinterpret_cast<const V*>(x + r * D);
+  const V* wv = reinterpret_cast<const V*>(w);
+  V* yr = reinterpret_cast<V*>(y + r * D);
+  acc_t ss = 0;
+  for (int j = threadIdx.x; j < DV; j += blockDim.x) {
+    const V xv = xr[j];
+#pragma unroll
+    for (int k = 0; k < V::N; ++k) {
+      const acc_t v = static_cast<acc_t>(xv.v[k]);
+      ss += v * v;
+    }
+  }
+  ss = block_sum(ss, shared);
+  const acc_t rs = acc_t(1) / sqrt(ss / acc_t(D) + eps);
+  if (threadIdx.x == 0) rstd[r] = rs;
+  for (int j = threadIdx.x; j < DV; j += blockDim.x) {
+    const V xv = xr[j], ww = wv[j];
+    V out;
+#pragma unroll
+    for (int k = 0; k < V::N; ++k) {
+      const acc_t n = static_cast<acc_t>(static_cast<scalar_t>(static_cast<acc_t>(xv.v[k]) * rs));
+      out.v[k] = static_cast<scalar_t>(n * static_cast<acc_t>(ww.v[k]));
+    }
+    yr[j] = out;
+  }
+}
+
+// rms_bwd_dx_kernel with 16-byte accesses (same conditions, dy and dx too).
+template <typename scalar_t, typename acc_t>
+__global__ void rms_bwd_dx_vec_kernel(const scalar_t* dy, const scalar_t* x, const scalar_t* w, const acc_t* rstd,
+                                      scalar_t* dx, int64_t D) {
+  using V = Vec16<scalar_t>;
+  __shared__ acc_t shared[32];
+  const int64_t r = blockIdx.x;
+  const acc_t rs = rstd[r];
+  const int DV = static_cast<int>(D / V::N);
+  const V* dyr = reinterpret_cast<const V*>(dy + r * D);
+  const V* xr = reinterpret_cast<const V*>(x + r * D);
+  const V* wv = reinterpret_cast<const V*>(w);
+  V* dxr = reinterpret_cast<V*>(dx + r * D);
+  acc_t dot = 0;
+  for (int j = threadIdx.x; j < DV; j += blockDim.x) {
+    const V gv = dyr[j], xv = xr[j], ww = wv[j];
+#pragma unroll
+    for (int k = 0; k < V::N; ++k) {
+      const acc_t g = static_cast<acc_t>(gv.v[k]) * static_cast<acc_t>(ww.v[k]);
+      dot += g * static_cast<acc_t>(xv.v[k]) * rs;
+    }
+  }
+  const acc_t mean = block_sum(dot, shared) / acc_t(D);
+  for (int j = threadIdx.x; j < DV; j += blockDim.x) {
+    const V gv = dyr[j], xv = xr[j], ww = wv[j];
+    V out;
+#pragma unroll
+    for (int k = 0; k < V::N; ++k) {
+      const acc_t g = static_cast<acc_t>(gv.v[k]) * static_cast<acc_t>(ww.v[k]);
+      const acc_t n = static_cast<acc_t>(xv.v[k]) * rs;
+      out.v[k] = static_cast<scalar_t>(rs * (g - n * mean));
+    }
+    dxr[j] = out;
+  }
+}
+
 // partial[c, d] = sum over rows r of chunk c of dy[r, d] * round(x[r, d] * rstd[r]); dw = partial.sum(0).
 // A grid of (column blocks x row chunks), each thread one column of one chunk: coalesced and
 // deterministic. One thread per column over all rows (the first version) gave 16 blocks on a 132-SM
@@ -115,6 +207,33 @@ __global__ void rms_bwd_dw_kernel(const scalar_t* dy, const scalar_t* x, const a
   partial[blockIdx.y * D + d] = acc;
 }
 
+// rms_bwd_dw_kernel with 16-byte accesses: each thread N adjacent columns of one chunk, the rows in the
+// same order, so the partial sums are the scalar kernel's to the bit.
+template <typename scalar_t, typename acc_t>
+__global__ void rms_bwd_dw_vec_kernel(const scalar_t* dy, const scalar_t* x, const acc_t* rstd, acc_t* partial,
+                                      int64_t rows, int64_t D, int64_t rows_per_chunk) {
+  using V = Vec16<scalar_t>;
+  const int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;  // the vector of columns
+  if (j >= D / V::N) return;
+  const int64_t r0 = blockIdx.y * rows_per_chunk;
+  const int64_t r1 = min(rows, r0 + rows_per_chunk);
+  acc_t acc[V::N];
+#pragma unroll
+  for (int k = 0; k < V::N; ++k) acc[k] = 0;
+  for (int64_t r = r0; r < r1; ++r) {
+    const V xv = reinterpret_cast<const V*>(x + r * D)[j];
+    const V gv = reinterpret_cast<const V*>(dy + r * D)[j];
+    const acc_t rs = rstd[r];
+#pragma unroll
+    for (int k = 0; k < V::N; ++k) {
+      const acc_t n = static_cast<acc_t>(static_cast<scalar_t>(static_cast<acc_t>(xv.v[k]) * rs));
+      acc[k] += static_cast<acc_t>(gv.v[k]) * n;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < V::N; ++k) partial[blockIdx.y * D + j * V::N + k] = acc[k];
+}
+
 std::tuple<at::Tensor, at::Tensor> rms_norm_fwd_cuda(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
   TORCH_CHECK(x_in.dim() == 2 && w_in.dim() == 1 && w_in.size(0) == x_in.size(1) &&
                   x_in.scalar_type() == w_in.scalar_type(),
@@ -128,9 +247,16 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_fwd_cuda(const at::Tensor& x_in, con
   auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_fwd_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    rms_fwd_kernel<scalar_t, acc_t><<<N, kThreads, 0, stream>>>(
-        x.const_data_ptr<scalar_t>(), w.const_data_ptr<scalar_t>(), y.mutable_data_ptr<scalar_t>(),
-        rstd.mutable_data_ptr<acc_t>(), D, static_cast<acc_t>(eps));
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* wp = w.const_data_ptr<scalar_t>();
+    scalar_t* yp = y.mutable_data_ptr<scalar_t>();
+    if (D % Vec16<scalar_t>::N == 0 && aligned16(xp) && aligned16(wp) && aligned16(yp)) {
+      rms_fwd_vec_kernel<scalar_t, acc_t><<<N, kThreads, 0, stream>>>(xp, wp, yp, rstd.mutable_data_ptr<acc_t>(), D,
+                                                                      static_cast<acc_t>(eps));
+    } else {
+      rms_fwd_kernel<scalar_t, acc_t><<<N, kThreads, 0, stream>>>(xp, wp, yp, rstd.mutable_data_ptr<acc_t>(), D,
+                                                                  static_cast<acc_t>(eps));
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {y, rstd};
@@ -151,14 +277,30 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cuda(const at::Tensor& dy_in, co
     auto stream = c10::cuda::getCurrentCUDAStream();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_bwd_cuda", [&] {
       using acc_t = at::opmath_type<scalar_t>;
-      rms_bwd_dx_kernel<scalar_t, acc_t><<<N, kThreads, 0, stream>>>(
-          dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), w.const_data_ptr<scalar_t>(),
-          rstd.const_data_ptr<acc_t>(), dx.mutable_data_ptr<scalar_t>(), D);
+      const scalar_t* dyp = dy.const_data_ptr<scalar_t>();
+      const scalar_t* xp = x.const_data_ptr<scalar_t>();
+      const scalar_t* wp = w.const_data_ptr<scalar_t>();
+      scalar_t* dxp = dx.mutable_data_ptr<scalar_t>();
+      constexpr int V = Vec16<scalar_t>::N;
+      const bool vec_rows = D % V == 0 && aligned16(dyp) && aligned16(xp);
+      if (vec_rows && aligned16(wp) && aligned16(dxp)) {
+        rms_bwd_dx_vec_kernel<scalar_t, acc_t><<<N, kThreads, 0, stream>>>(dyp, xp, wp, rstd.const_data_ptr<acc_t>(),
+                                                                           dxp, D);
+      } else {
+        rms_bwd_dx_kernel<scalar_t, acc_t><<<N, kThreads, 0, stream>>>(dyp, xp, wp, rstd.const_data_ptr<acc_t>(), dxp,
+                                                                       D);
+      }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      const dim3 grid((D + kThreads - 1) / kThreads, chunks);
-      rms_bwd_dw_kernel<scalar_t, acc_t><<<grid, kThreads, 0, stream>>>(
-          dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), rstd.const_data_ptr<acc_t>(),
-          partial.mutable_data_ptr<acc_t>(), N, D, rows_per_chunk);
+      acc_t* pp = partial.mutable_data_ptr<acc_t>();
+      if (vec_rows) {
+        const dim3 grid((D / V + kThreads - 1) / kThreads, chunks);
+        rms_bwd_dw_vec_kernel<scalar_t, acc_t><<<grid, kThreads, 0, stream>>>(dyp, xp, rstd.const_data_ptr<acc_t>(), pp,
+                                                                              N, D, rows_per_chunk);
+      } else {
+        const dim3 grid((D + kThreads - 1) / kThreads, chunks);
+        rms_bwd_dw_kernel<scalar_t, acc_t><<<grid, kThreads, 0, stream>>>(dyp, xp, rstd.const_data_ptr<acc_t>(), pp, N,
+                                                                          D, rows_per_chunk);
+      }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
@@ -257,6 +399,39 @@ __global__ void rope_kernel(const scalar_t* x, const acc_t* cs, const acc_t* sn,
   }
 }
 
+// rope_kernel with 16-byte accesses, a block per (batch, position) row of H * D elements: each vector holds
+// N/2 whole pairs of one head (D a multiple of N), so one position and one table offset serve all of them,
+// read as one access of each table (their rows start at multiples of N/2 entries; the host checks the
+// tables' own alignment), and the 64-bit divisions the scalar kernel does per pair are done once per row.
+template <typename scalar_t, typename acc_t>
+__global__ void rope_vec_kernel(const scalar_t* x, const acc_t* cs, const acc_t* sn, scalar_t* out, int64_t rows,
+                                int64_t S, int row_vecs, int D, acc_t sign) {
+  using V = Vec16<scalar_t>;
+  using P = Pack<acc_t, V::N / 2>;
+  const int D2 = D / 2;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t s = row % S;
+    const acc_t* c_row = cs + s * D2;
+    const acc_t* s_row = sn + s * D2;
+    const V* xr = reinterpret_cast<const V*>(x) + row * row_vecs;
+    V* orow = reinterpret_cast<V*>(out) + row * row_vecs;
+    for (int j = threadIdx.x; j < row_vecs; j += blockDim.x) {
+      const int i0 = ((j * V::N) % D) / 2;
+      const V xv = xr[j];
+      const P cv = *reinterpret_cast<const P*>(c_row + i0), sv = *reinterpret_cast<const P*>(s_row + i0);
+      V o;
+#pragma unroll
+      for (int k = 0; k < V::N / 2; ++k) {
+        const acc_t c = cv.v[k], si = sign * sv.v[k];
+        const acc_t x0 = static_cast<acc_t>(xv.v[2 * k]), x1 = static_cast<acc_t>(xv.v[2 * k + 1]);
+        o.v[2 * k] = static_cast<scalar_t>(x0 * c - x1 * si);
+        o.v[2 * k + 1] = static_cast<scalar_t>(x0 * si + x1 * c);
+      }
+      orow[j] = o;
+    }
+  }
+}
+
 at::Tensor rope_rotate_cuda(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in, bool inverse) {
   TORCH_CHECK(x_in.dim() == 4 && x_in.size(3) % 2 == 0, "amsp_fused::rope: x must be (batch, seq, heads, even head_dim)");
   const int64_t S = x_in.size(1), H = x_in.size(2), D2 = x_in.size(3) / 2;
@@ -272,9 +447,25 @@ at::Tensor rope_rotate_cuda(const at::Tensor& x_in, const at::Tensor& cos_in, co
   const int blocks = static_cast<int>(std::min<int64_t>((n_pairs + kThreads - 1) / kThreads, 65535));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    rope_kernel<scalar_t, acc_t><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        x.const_data_ptr<scalar_t>(), cs.const_data_ptr<acc_t>(), sn.const_data_ptr<acc_t>(),
-        out.mutable_data_ptr<scalar_t>(), n_pairs, S, H, D2, inverse ? acc_t(-1) : acc_t(1));
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    const int64_t D = 2 * D2, rows = x.size(0) * S;
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    constexpr int N = Vec16<scalar_t>::N;
+    const auto table_aligned = [](const void* p) {
+      return reinterpret_cast<uintptr_t>(p) % (sizeof(acc_t) * N / 2) == 0;
+    };
+    if (D % N == 0 && H * D / N <= INT32_MAX && aligned16(xp) && aligned16(op) &&
+        table_aligned(cs.const_data_ptr<acc_t>()) && table_aligned(sn.const_data_ptr<acc_t>())) {
+      const int row_vecs = static_cast<int>(H * D / N);
+      rope_vec_kernel<scalar_t, acc_t><<<static_cast<int>(std::min<int64_t>(rows, 65535)), kThreads, 0, stream>>>(
+          xp, cs.const_data_ptr<acc_t>(), sn.const_data_ptr<acc_t>(), op, rows, S, row_vecs, static_cast<int>(D),
+          inverse ? acc_t(-1) : acc_t(1));
+    } else {
+      rope_kernel<scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(
+          xp, cs.const_data_ptr<acc_t>(), sn.const_data_ptr<acc_t>(), op, n_pairs, S, H, D2,
+          inverse ? acc_t(-1) : acc_t(1));
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;
@@ -289,9 +480,11 @@ at::Tensor rope_bwd_cuda(const at::Tensor& dy, const at::Tensor& cos, const at::
 }
 
 // ---------------------------------------------------------------- SwiGLU
+// Elements [begin, n): all of them where a pointer is misaligned, else the tail after the vectors.
 template <typename scalar_t, typename acc_t>
-__global__ void swiglu_fwd_kernel(const scalar_t* a, const scalar_t* b, scalar_t* y, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+__global__ void swiglu_fwd_kernel(const scalar_t* a, const scalar_t* b, scalar_t* y, int64_t begin, int64_t n) {
+  for (int64_t i = begin + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
     const acc_t av = static_cast<acc_t>(a[i]);
     y[i] = static_cast<scalar_t>(av / (acc_t(1) + exp(-av)) * static_cast<acc_t>(b[i]));
   }
@@ -299,13 +492,66 @@ __global__ void swiglu_fwd_kernel(const scalar_t* a, const scalar_t* b, scalar_t
 
 template <typename scalar_t, typename acc_t>
 __global__ void swiglu_bwd_kernel(const scalar_t* dy, const scalar_t* a, const scalar_t* b, scalar_t* da,
-                                  scalar_t* db, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+                                  scalar_t* db, int64_t begin, int64_t n) {
+  for (int64_t i = begin + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
     const acc_t av = static_cast<acc_t>(a[i]), bv = static_cast<acc_t>(b[i]), g = static_cast<acc_t>(dy[i]);
     const acc_t sig = acc_t(1) / (acc_t(1) + exp(-av));
     db[i] = static_cast<scalar_t>(g * av * sig);
     da[i] = static_cast<scalar_t>(g * bv * sig * (acc_t(1) + av * (acc_t(1) - sig)));
   }
+}
+
+// The first nv vectors of a, b (and dy) with 16-byte accesses; the scalar kernels above do the rest.
+template <typename scalar_t, typename acc_t>
+__global__ void swiglu_fwd_vec_kernel(const scalar_t* a, const scalar_t* b, scalar_t* y, int64_t nv) {
+  using V = Vec16<scalar_t>;
+  const V* av = reinterpret_cast<const V*>(a);
+  const V* bv = reinterpret_cast<const V*>(b);
+  V* yv = reinterpret_cast<V*>(y);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < nv; i += int64_t(gridDim.x) * blockDim.x) {
+    const V A = av[i], B = bv[i];
+    V Y;
+#pragma unroll
+    for (int k = 0; k < V::N; ++k) {
+      const acc_t x = static_cast<acc_t>(A.v[k]);
+      Y.v[k] = static_cast<scalar_t>(x / (acc_t(1) + exp(-x)) * static_cast<acc_t>(B.v[k]));
+    }
+    yv[i] = Y;
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+__global__ void swiglu_bwd_vec_kernel(const scalar_t* dy, const scalar_t* a, const scalar_t* b, scalar_t* da,
+                                      scalar_t* db, int64_t nv) {
+  using V = Vec16<scalar_t>;
+  const V* gv = reinterpret_cast<const V*>(dy);
+  const V* av = reinterpret_cast<const V*>(a);
+  const V* bv = reinterpret_cast<const V*>(b);
+  V* dav = reinterpret_cast<V*>(da);
+  V* dbv = reinterpret_cast<V*>(db);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < nv; i += int64_t(gridDim.x) * blockDim.x) {
+    const V G = gv[i], A = av[i], B = bv[i];
+    V DA, DB;
+#pragma unroll
+    for (int k = 0; k < V::N; ++k) {
+      const acc_t x = static_cast<acc_t>(A.v[k]), y = static_cast<acc_t>(B.v[k]), g = static_cast<acc_t>(G.v[k]);
+      const acc_t sig = acc_t(1) / (acc_t(1) + exp(-x));
+      DB.v[k] = static_cast<scalar_t>(g * x * sig);
+      DA.v[k] = static_cast<scalar_t>(g * y * sig * (acc_t(1) + x * (acc_t(1) - sig)));
+    }
+    dav[i] = DA;
+    dbv[i] = DB;
+  }
+}
+
+// Vectors the swiglu kernels may take: all whole vectors when every pointer is 16-byte aligned, else none.
+template <typename scalar_t>
+int64_t swiglu_vectors(int64_t n, std::initializer_list<const void*> ptrs) {
+  for (const void* p : ptrs) {
+    if (!aligned16(p)) return 0;
+  }
+  return n / Vec16<scalar_t>::N;
 }
 
 int elementwise_blocks(int64_t n) {
@@ -322,9 +568,20 @@ at::Tensor swiglu_fwd_cuda(const at::Tensor& a_in, const at::Tensor& b_in) {
   if (n == 0) return y;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "swiglu_fwd_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    swiglu_fwd_kernel<scalar_t, acc_t><<<elementwise_blocks(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        a.const_data_ptr<scalar_t>(), b.const_data_ptr<scalar_t>(), y.mutable_data_ptr<scalar_t>(), n);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const scalar_t* ap = a.const_data_ptr<scalar_t>();
+    const scalar_t* bp = b.const_data_ptr<scalar_t>();
+    scalar_t* yp = y.mutable_data_ptr<scalar_t>();
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    const int64_t nv = swiglu_vectors<scalar_t>(n, {ap, bp, yp});
+    if (nv > 0) {
+      swiglu_fwd_vec_kernel<scalar_t, acc_t><<<elementwise_blocks(nv), kThreads, 0, stream>>>(ap, bp, yp, nv);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    const int64_t begin = nv * Vec16<scalar_t>::N;
+    if (begin < n) {
+      swiglu_fwd_kernel<scalar_t, acc_t><<<elementwise_blocks(n - begin), kThreads, 0, stream>>>(ap, bp, yp, begin, n);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
   });
   return y;
 }
@@ -340,10 +597,24 @@ std::tuple<at::Tensor, at::Tensor> swiglu_bwd_cuda(const at::Tensor& dy_in, cons
   if (n == 0) return {da, db};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "swiglu_bwd_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    swiglu_bwd_kernel<scalar_t, acc_t><<<elementwise_blocks(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        dy.const_data_ptr<scalar_t>(), a.const_data_ptr<scalar_t>(), b.const_data_ptr<scalar_t>(),
-        da.mutable_data_ptr<scalar_t>(), db.mutable_data_ptr<scalar_t>(), n);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const scalar_t* gp = dy.const_data_ptr<scalar_t>();
+    const scalar_t* ap = a.const_data_ptr<scalar_t>();
+    const scalar_t* bp = b.const_data_ptr<scalar_t>();
+    scalar_t* dap = da.mutable_data_ptr<scalar_t>();
+    scalar_t* dbp = db.mutable_data_ptr<scalar_t>();
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    const int64_t nv = swiglu_vectors<scalar_t>(n, {gp, ap, bp, dap, dbp});
+    if (nv > 0) {
+      swiglu_bwd_vec_kernel<scalar_t, acc_t><<<elementwise_blocks(nv), kThreads, 0, stream>>>(gp, ap, bp, dap, dbp,
+                                                                                             nv);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    const int64_t begin = nv * Vec16<scalar_t>::N;
+    if (begin < n) {
+      swiglu_bwd_kernel<scalar_t, acc_t><<<elementwise_blocks(n - begin), kThreads, 0, stream>>>(gp, ap, bp, dap, dbp,
+                                                                                                 begin, n);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
   });
   return {da, db};
 }
