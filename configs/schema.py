@@ -180,7 +180,7 @@ class AMSPConfig:
     # the compute dtype, which the planner's memory model counts.
     spread_window: int = 2
     # Each unit's AdamW update waits for the unit's next forward; on CUDA it runs on a side stream beside
-    # that forward (amsp/overlapped_update.py). Off by default until the GPU benchmark shows it wins.
+    # that forward (amsp/overlapped_update.py). Off by default: it won 0.3% on an H200 (BENCHMARKS.md).
     overlap_update: bool = False
     prefetch: bool = True  # prefetch the next unit's parameter all-gather
     planner: PlannerConfig = field(default_factory=PlannerConfig)  # used when plan=auto

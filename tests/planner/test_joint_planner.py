@@ -264,10 +264,11 @@ def test_efficiency_is_checked_per_node_group(tmp_path):
 def test_an_overlapped_update_is_priced_per_stage_on_cuda_only():
     """amsp.overlap_update in the joint planner: on a CUDA node group a stage's updates hide behind its
     forward except its first unit's (the embedding's, then the first block's on stage 0), the hidden rest at
-    the overlap slowdown; on a CPU group priced as without the switch (inline)."""
+    its measured UPDATE_HIDDEN_COST; on a CPU group priced as without the switch (inline)."""
     import dataclasses
 
     from amsp.plan import Degrees
+    from amsp.planner.cost_model import UPDATE_HIDDEN_COST
 
     def price(cluster, on):
         return price_config(get_preset("llama2_7b"), cluster, seq_len=4096, global_batch=64, precision=BF16, tp=1,
@@ -280,10 +281,10 @@ def test_an_overlapped_update_is_priced_per_stage_on_cuda_only():
     s = Setting(get_preset("llama2_7b"), 4096, BF16, 1, 2, 8, 1, 8, {}, overlap_update=True)
     pricer = _Candidate(s, cuda).pricers[0]
     pe, pb, ph = pricer.params
-    r, slow = 1e-12, 0.1
+    r, slow = 1e-12, UPDATE_HIDDEN_COST
     assert pb * r < pricer.costs.block / 3  # a block's update is shorter than a block's forward here
-    first = pricer.update_s(16, True, False, r, slow)  # stage 0: embedding + 16 blocks
+    first = pricer.update_s(16, True, False, r)  # stage 0: embedding + 16 blocks
     assert first == pytest.approx((pe + pb) * r + slow * 15 * pb * r)
-    assert pricer.update_s(16, False, True, r, slow) == pytest.approx(pb * r + slow * (15 * pb + ph) * r)
+    assert pricer.update_s(16, False, True, r) == pytest.approx(pb * r + slow * (15 * pb + ph) * r)
     off_pricer = _Candidate(dataclasses.replace(s, overlap_update=False), cuda).pricers[0]
-    assert off_pricer.update_s(16, True, False, r, slow) == pytest.approx((pe + 16 * pb) * r)
+    assert off_pricer.update_s(16, True, False, r) == pytest.approx((pe + 16 * pb) * r)

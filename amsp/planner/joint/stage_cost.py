@@ -27,7 +27,7 @@ from amsp.schedule import Precision
 from models.llama.config import LlamaConfig
 
 from ..comm_time import collective_seconds
-from ..cost_model import layout
+from ..cost_model import UPDATE_HIDDEN_COST, layout
 from ..workload import Kernels, Workload
 from .hetero import HeteroCluster, NodeGroup, group_as_cluster
 
@@ -64,7 +64,7 @@ class Setting:
     kernels: Kernels | None = None
     sequence_parallel: bool = True  # parallel.sequence_parallel
     # amsp.overlap_update: on a CUDA node group each unit's update hides behind the forward before it
-    # (cost_model.CostModel.update_exposed's rule, per stage); on CPU it runs inline
+    # (cost_model.CostModel.update_exposed's rule and UPDATE_HIDDEN_COST, per stage); on CPU it runs inline
     overlap_update: bool = False
 
     def workload(self, recompute: str = "none") -> Workload:
@@ -185,11 +185,11 @@ class StagePricer:
         self.block_working = w.block_backward_transient_bytes()
 
     # ---- compute ----
-    def update_s(self, n_blocks: int, embed: bool, head: bool, per_elem: float, slowdown: float) -> float:
+    def update_s(self, n_blocks: int, embed: bool, head: bool, per_elem: float) -> float:
         """The stage's optimizer update in the step time: all of it, or with amsp.overlap_update on a CUDA
         node group the updates of the stage's first unit (and the embedding's) plus what each later
         unit's exceeds the forward before it (a block's forward taken as a third of its forward +
-        backward), and the hidden rest at the overlap slowdown hidden communication costs."""
+        backward), and the hidden rest at UPDATE_HIDDEN_COST (measured: the update hides poorly)."""
         pe, pb, ph = self.params
         units = ([pe] if embed else []) + [pb] * n_blocks + ([ph] if head and ph else [])
         whole = sum(units) * per_elem
@@ -199,7 +199,7 @@ class StagePricer:
         waits = ([pe] if embed else []) + ([pb] if n_blocks else [])  # nothing before them to hide behind
         rest = units[len(waits):]
         exposed = sum(waits) * per_elem + sum(max(0.0, u * per_elem - window) for u in rest)
-        return exposed + slowdown * (whole - exposed)
+        return exposed + UPDATE_HIDDEN_COST * (whole - exposed)
 
     def compute_s(self, n_blocks: int, embed: bool, head: bool, recompute: bool) -> float:
         c = self.costs
@@ -330,7 +330,7 @@ class StagePricer:
                 # what the compute cannot hide, plus what hiding the rest costs the compute
                 slowdown = self.s.overlap_slowdown if self.s.overlap_slowdown is not None \
                     else self.g.spec.overlap_slowdown
-                optim = self.update_s(n_blocks, embed, head, per_elem, slowdown)
+                optim = self.update_s(n_blocks, embed, head, per_elem)
                 exposed_mb = max(0.0, per_mb - compute) + slowdown * min(per_mb, compute)
                 c = StageChoice(deg, recompute, compute, exposed_mb, once, optim, mem, parts)
                 key = (compute + exposed_mb) * self.s.micro_batches + max(0.0, once - drain_s) + optim
