@@ -23,8 +23,9 @@ AUTO_OPS: dict[str, str] = {
     "linear_cross_entropy": "1.24x time, 4.82x memory",
 }
 
-# On CUDA (csrc/fused_cuda.cu) no kernel has been timed yet (pending: bench_fused.py measures on CPU
-# only; BENCHMARKS.md "GPU path"), so the CPU table above carries over on its memory column alone, which
+# On CUDA (csrc/fused_cuda.cu) no kernel has been timed against its reference yet (pending: `bench_fused.py
+# --device cuda`, check.sh's `fused` part, not yet run on a GPU; the whole 1.88B step was, BENCHMARKS.md "GPU
+# path"), so the CPU table above carries over on its memory column alone, which
 # does not depend on the device (autograd keeps the same tensors), with one exception: inside a
 # torch.compile'd region on CUDA (model.compile: the transformer blocks, where compiled ones measure faster) the ops
 # below trace their eager references instead of calling the kernels, whatever model.fused says. There

@@ -1,4 +1,5 @@
-"""Fused CPU ops (csrc/) vs eager PyTorch vs torch.compile: forward + backward time and peak memory.
+"""Fused ops (csrc/) vs eager PyTorch vs torch.compile: forward + backward time and peak memory, on CPU
+or (--device cuda) on a GPU.
 
 LLaMA-7B-like shapes scaled to a CPU: dim 4096, SwiGLU hidden 11008, 32 heads of 128, vocab
 32000, with few tokens. Each (op, variant) runs in its own subprocess so that peak memory is that
@@ -11,6 +12,12 @@ allocator, as the best of --repeats forward + backward calls. Finishes with the 
 tokens/s for model.fused=on and off, and the per-op decision for model.fused=auto
 (>= 1.2x faster or >= 1.2x less peak memory than eager).
 
+On CUDA (--device cuda; bf16 and a 4096-token micro-batch by default, the linear + cross-entropy at
+LLaMA-2's dim 4096) time is the best wall time of --repeats synchronised forward + backward calls and
+memory the allocator's peak above what was allocated before the call (torch.cuda.max_memory_allocated);
+each (op, variant) still runs in its own process, so compile caches and peaks are its own. This is the
+measurement that csrc/fused_cuda.cu's ops have not had yet on a GPU (models/llama/fused_ops.py).
+
 The project's machines are shared (load averages far above the 2 cores are common), so by default
 each run uses one thread and the comparison uses CPU time (time.process_time), which other
 processes disturb far less than wall time; both are printed. --threads 2 measures the parallel
@@ -18,6 +25,7 @@ kernels when the machine is quiet.
 
     python scripts/bench/bench_fused.py            # everything, prints markdown for BENCHMARKS.md
     python scripts/bench/bench_fused.py --ops rms_norm --variants eager,fused
+    python scripts/bench/bench_fused.py --device cuda     # on a GPU machine
 """
 from __future__ import annotations
 
@@ -44,7 +52,7 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _make_case(op: str, variant: str, tokens: int, dtype):
+def _make_case(op: str, variant: str, tokens: int, dtype, device: str = "cpu"):
     """(callable doing one forward + backward, description of the shapes)."""
     import torch
     import torch.nn.functional as F
@@ -56,14 +64,14 @@ def _make_case(op: str, variant: str, tokens: int, dtype):
 
     torch.manual_seed(0)
     dim, hidden, heads, head_dim, vocab = 4096, 11008, 32, 128, 32000
-    leaf = lambda *shape, scale=1.0: (torch.randn(*shape) * scale).to(dtype).requires_grad_()  # noqa: E731
+    leaf = lambda *shape, scale=1.0: (torch.randn(*shape) * scale).to(device, dtype).requires_grad_()  # noqa: E731
     if op == "rms_norm":
         x, w = leaf(tokens, dim), leaf(dim)
         eager = lambda: rms_norm_reference(x, w, 1e-5)  # noqa: E731
         fn = {"eager": eager, "compile": torch.compile(eager), "fused": lambda: fused.rms_norm(x, w, 1e-5)}[variant]
         params, desc = (x, w), f"x ({tokens}, {dim})"
     elif op == "rope":
-        cos, sin = rope_tables(LlamaConfig(dim=dim, n_heads=heads, max_seq_len=tokens), tokens)
+        cos, sin = (t.to(device) for t in rope_tables(LlamaConfig(dim=dim, n_heads=heads, max_seq_len=tokens), tokens))
         x = leaf(1, tokens, heads, head_dim)
         eager = lambda: apply_rope(x, cos, sin)  # noqa: E731
         fn = {"eager": eager, "compile": torch.compile(eager),
@@ -78,9 +86,9 @@ def _make_case(op: str, variant: str, tokens: int, dtype):
         # The head's memory story depends on tokens vs dim: logits are tokens x vocab, the weight
         # gradient vocab x dim. A 7B run's 8192-token micro-batch at dim 4096 has tokens = 2 * dim;
         # this keeps that ratio and vocab 32000 at a size a shared 2-core machine can time.
-        dim = CE_DIM
+        dim = CE_DIM if device == "cpu" else dim  # a GPU takes LLaMA-2's own head
         h, w = leaf(tokens, dim), leaf(vocab, dim, scale=0.02)
-        t = torch.randint(0, vocab, (tokens,))
+        t = torch.randint(0, vocab, (tokens,)).to(device)
         eager = lambda: lm_loss(F.linear(h, w)[None], t[None])  # noqa: E731
         fn = {"eager": eager, "compile": torch.compile(eager),
               "fused": lambda: fused.linear_cross_entropy(h, w, t)}[variant]
@@ -103,7 +111,7 @@ def _make_case(op: str, variant: str, tokens: int, dtype):
 MODEL_DIM = 512  # whole-model case: 4 layers of head_dim 128 and LLaMA's 32000 vocabulary
 
 
-def _model_case(fused_choice: str, tokens: int, batch: int, dtype):
+def _model_case(fused_choice: str, tokens: int, batch: int, dtype, device: str = "cpu"):
     import torch
 
     from models.llama.config import LlamaConfig
@@ -111,10 +119,10 @@ def _model_case(fused_choice: str, tokens: int, batch: int, dtype):
 
     cfg = LlamaConfig(dim=MODEL_DIM, n_layers=4, n_heads=MODEL_DIM // 128, vocab_size=32000, multiple_of=256,
                       max_seq_len=tokens, fused=fused_choice)
-    model = build_model(cfg, dtype=dtype)
+    model = build_model(cfg, dtype=dtype).to(device)
     gen = torch.Generator().manual_seed(0)
-    x = torch.randint(0, cfg.vocab_size, (batch, tokens), generator=gen)
-    y = torch.randint(0, cfg.vocab_size, (batch, tokens), generator=gen)
+    x = torch.randint(0, cfg.vocab_size, (batch, tokens), generator=gen).to(device)
+    y = torch.randint(0, cfg.vocab_size, (batch, tokens), generator=gen).to(device)
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -130,10 +138,13 @@ def child(args) -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     if args.op == "model":
-        step, desc = _model_case(args.variant, args.tokens, args.batch, dtype)
+        step, desc = _model_case(args.variant, args.tokens, args.batch, dtype, args.device)
     else:
-        step, desc = _make_case(args.op, args.variant, args.tokens, dtype)
+        step, desc = _make_case(args.op, args.variant, args.tokens, dtype, args.device)
     step()  # warm-up: compiles (torch.compile) and sizes the allocator
+    if args.device == "cuda":
+        print(json.dumps({**_cuda_measure(step, args.measure, args.repeats), "desc": desc}))
+        return
     if args.measure == "memory":
         gc.collect()
         Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark (VmHWM)
@@ -150,6 +161,28 @@ def child(args) -> None:
     print(json.dumps({"time_s": min(cpus), "wall_s": min(walls), "desc": desc}))
 
 
+def _cuda_measure(step, measure: str, repeats: int) -> dict:
+    """Peak allocator memory above the call's start, or the best synchronised wall time (a GPU's time is
+    not the process's CPU time; time_s and wall_s are both that)."""
+    import torch
+
+    torch.cuda.synchronize()
+    if measure == "memory":
+        gc.collect()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return {"peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20}
+    walls = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+    return {"time_s": min(walls), "wall_s": min(walls)}
+
+
 def run_child(op: str, variant: str, args) -> dict:
     """Time and peak memory of one (op, variant), each from its own subprocess."""
     result = {}
@@ -162,9 +195,9 @@ def _run_child(op: str, variant: str, args, measure: str) -> dict:
     cmd = [sys.executable, __file__, "--child", "--measure", measure, "--op", op, "--variant", variant, "--tokens",
            str(args.ce_tokens if op == "linear_cross_entropy" else args.model_tokens if op == "model" else args.tokens),
            "--repeats", str(args.repeats), "--dtype", args.dtype, "--batch", str(args.batch),
-           "--threads", str(args.threads)]
+           "--threads", str(args.threads), "--device", args.device]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
-    if measure == "memory":
+    if measure == "memory" and args.device == "cpu":
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1800)
     if out.returncode != 0:
@@ -180,21 +213,29 @@ def main() -> None:
     p.add_argument("--measure", default="time", choices=("time", "memory"), help=argparse.SUPPRESS)
     p.add_argument("--ops", default=",".join(OPS))
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--tokens", type=int, default=1024, help="tokens for the elementwise ops")
-    p.add_argument("--ce-tokens", type=int, default=2 * CE_DIM, help="tokens for linear + cross-entropy")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--tokens", type=int, default=None, help="tokens for the elementwise ops (1024; 4096 on CUDA)")
+    p.add_argument("--ce-tokens", type=int, default=None,
+                   help=f"tokens for linear + cross-entropy ({2 * CE_DIM}; 4096 on CUDA)")
     p.add_argument("--model-tokens", type=int, default=512, help="sequence length of the model run")
     p.add_argument("--batch", type=int, default=1, help="batch of the model run")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-model", action="store_true")
     args = p.parse_args()
+    cuda = args.device == "cuda"
+    args.tokens = args.tokens or (4096 if cuda else 1024)
+    args.ce_tokens = args.ce_tokens or (4096 if cuda else 2 * CE_DIM)
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     if args.child:
         child(args)
         return
     results: dict[tuple[str, str], dict] = {}
     ops, variants = [o for o in args.ops.split(",") if o], args.variants.split(",")
-    print(f"| op | shapes ({args.dtype}, {args.threads} thread(s)) | variant | fwd+bwd CPU ms | wall ms | peak MiB "
+    where = "CUDA" if cuda else f"{args.threads} thread(s)"
+    clock = "GPU ms" if cuda else "CPU ms"
+    print(f"| op | shapes ({args.dtype}, {where}) | variant | fwd+bwd {clock} | wall ms | peak MiB "
           "| time vs eager | memory vs eager |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for op in ops:
@@ -214,7 +255,7 @@ def main() -> None:
             verdict = "enable" if t >= AUTO_THRESHOLD or m >= AUTO_THRESHOLD else "keep eager"
             print(f"- {op}: time {t:.2f}x, memory {m:.2f}x -> {verdict}")
     if not args.no_model:
-        print("\n| model fwd+bwd | model.fused | tokens/s (CPU time) | CPU ms | wall ms | peak MiB |")
+        print(f"\n| model fwd+bwd | model.fused | tokens/s ({clock[:3]} time) | {clock} | wall ms | peak MiB |")
         print("|---|---|---:|---:|---:|---:|")
         for choice in ("off", "on", "auto"):
             r = run_child("model", choice, args)

@@ -19,7 +19,10 @@
 # the planner's prediction for several plans as rank 0 of a pretend world of 8, into gpu_memory.md, with
 # MEMORY_ARGS passed on, e.g. "--compile off,on" for compiled blocks too; "predict" runs train.py on the
 # benchmark's shape for the planner's one-GPU recheck (predicted against measured step time and peak
-# memory), with PREDICT_ARGS as extra overrides. One device call brings back at most 8 files: with
+# memory), with PREDICT_ARGS as extra overrides; "fused" runs scripts/bench/bench_fused.py --device cuda (each
+# fused op against its eager reference on the GPU: the measurement model.fused=auto has on CPU only),
+# into gpu_fused.md, with FUSED_ARGS passed on (default "--variants eager,fused"). One device call brings
+# back at most 8 files: with
 # several parts, send $OUT elsewhere and pack it, e.g.
 #     R=/tmp/res; mkdir -p $R; OUT=$R GPU_CHECK_PARTS=predict,memory,bench bash scripts/gpu/check.sh
 #     tar czf $OUT/r.tgz -C $R .
@@ -108,7 +111,15 @@ if [[ $PARTS == *,memory,* ]]; then
     scripts/bench/bench_gpu_memory.py --out "$RESULTS/gpu_memory" ${MEMORY_ARGS:-}
 fi
 
-# ---- 6. benchmark with the time that is left (the script stops starting rounds before its budget)
+# ---- 6. fused ops against their eager references on the GPU (GPU_CHECK_PARTS=fused)
+if [[ $PARTS == *,fused,* ]]; then
+  # shellcheck disable=SC2086  # FUSED_ARGS is a list of arguments
+  run_part fused $((BUDGET - (SECONDS - START) - 15)) "$PY" scripts/bench/bench_fused.py --device cuda \
+    ${FUSED_ARGS:---variants eager,fused}
+  grep '^|\|^- \|^model' "$RESULTS/fused.log" > "$RESULTS/gpu_fused.md" || true
+fi
+
+# ---- 7. benchmark with the time that is left (the script stops starting rounds before its budget)
 left=$((BUDGET - (SECONDS - START) - 15))
 if [[ $PARTS != *,bench,* ]]; then
   :
