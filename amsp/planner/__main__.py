@@ -6,6 +6,7 @@
     python -m amsp.planner --price zero3 --price 8/8/64 ...   # price named plans (P/G/OS[|P/G/OS])
     python -m amsp.planner --compute-profile prof.json ...    # measured compute instead of FLOPs at MFU
     python -m amsp.planner simulate model=llama2_13b cluster=a800x8 [--gpus 8,16,...,1024] ...
+    python -m amsp.planner simulate --collectives tensor ...  # what-if: DeepSpeed ZeRO-3's collectives
     python -m amsp.planner --joint model=llama2_70b cluster=h100x8 cluster.nodes=64 ...   # TP x PP x DP x AMSP
     python -m amsp.planner --joint --hetero configs/clusters_mixed/mixed_a100_v100.yaml ...  # mixed nodes
 
@@ -68,8 +69,8 @@ def checked_config(overrides: list[str]):
 def refuse_ignored_options(mode: str, args) -> None:
     """An option the chosen planner does not read is an error, not silently dropped."""
     if args.joint:
-        ignored = [name for name, given in (("simulate", mode == "simulate"), ("--price", bool(args.price)))
-                   if given]
+        ignored = [name for name, given in (("simulate", mode == "simulate"), ("--price", bool(args.price)),
+                                            ("--collectives tensor", args.collectives != "unit")) if given]
         if ignored:
             raise InputError(f"{' and '.join(ignored)}: not available with --joint (the joint planner ranks its "
                              f"whole space; name a plan's tp/pp with parallel.* and use the AMSP planner to price "
@@ -121,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--efficiency", metavar="FILE",
                     help="--joint: JSON {node preset: fraction of peak its compute reaches}, e.g. measured per "
                          "GPU type; default: amsp.planner.mfu for every type")
+    ap.add_argument("--collectives", choices=("unit", "tensor"), default="unit",
+                    help="what-if: 'tensor' prices the sharded plans' collectives as DeepSpeed ZeRO-3 issues them "
+                         "(one all-gather per submodule's weight, norms never gathered, gradients in buckets), "
+                         "to compare with published systems; 'unit' (default) is this engine's one per unit")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=llama2_13b cluster=a800x8")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
@@ -138,7 +143,7 @@ def _run(mode: str, args) -> int:
         return _run_joint(cfg, args)
     cluster = cluster_spec(cfg)
     profile = load_profile(args.compute_profile) if args.compute_profile else None
-    options = options_from_config(cfg, profile)
+    options = dataclasses.replace(options_from_config(cfg, profile), granularity=args.collectives)
     p = planner_config(cfg)
     out = (lambda s: None) if args.json else print
     out(cluster.describe(overlap_slowdown_of(options, cluster)))

@@ -44,6 +44,25 @@ def test_cli_simulate(capsys):
         assert [r[1] for r in rows] == ["ddp", "zero1", "zero2", "zero3", "hsdp", "auto"]
 
 
+def test_cli_prices_deepspeed_style_collectives_as_a_what_if(capsys):
+    """--collectives tensor: the sharded plans' collectives as DeepSpeed ZeRO-3 issues them (BENCHMARKS.md,
+    "Partitioner at A800 scale"): ZeRO-3 at 1024 GPUs falls far below this engine's per-unit collectives,
+    ZeRO-1 (no parameter gathers) does not move; --joint refuses the switch instead of ignoring it."""
+    import json
+
+    args = ["simulate", "--gpus", "1024", "--json", "model=llama2_7b", "cluster=a800x8", "data.seq_len=4096",
+            "trainer.micro_batch_size=1", "trainer.global_batch_tokens=4194304", "amsp.overlap_spread=true"]
+    mfu = {}
+    for granularity in ("unit", "tensor"):
+        assert main(args + ["--collectives", granularity]) == 0
+        rows = json.loads(capsys.readouterr().out)["simulation"]
+        mfu[granularity] = {r["plan"]: r["mfu"] for r in rows}
+    assert mfu["tensor"]["zero3"] < 0.5 * mfu["unit"]["zero3"]
+    assert mfu["tensor"]["zero1"] == pytest.approx(mfu["unit"]["zero1"])
+    assert main(["--joint", "--collectives", "tensor", "model=llama2_7b"]) == 2
+    assert "--collectives tensor: not available with --joint" in capsys.readouterr().err
+
+
 def test_cli_reports_no_feasible_plan(capsys):
     assert main(["model=llama2_70b", "cluster=a100x8", "data.seq_len=4096", "trainer.micro_batch_size=2",
                  "trainer.global_batch_size=16"]) == 2
