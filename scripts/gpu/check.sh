@@ -21,7 +21,7 @@
 # benchmark's shape for the planner's one-GPU recheck (predicted against measured step time and peak
 # memory), with PREDICT_ARGS as extra overrides; "fused" runs scripts/bench/bench_fused.py --device cuda (each
 # fused op against its eager reference on the GPU: the measurement model.fused=auto has on CPU only),
-# into gpu_fused.md, with FUSED_ARGS passed on (default "--variants eager,fused"). One device call brings
+# into gpu_fused.md, with FUSED_ARGS passed on (default "--variants eager,fused --no-model"). One device call brings
 # back at most 8 files: with
 # several parts, send $OUT elsewhere and pack it, e.g.
 #     R=/tmp/res; mkdir -p $R; OUT=$R GPU_CHECK_PARTS=predict,memory,bench bash scripts/gpu/check.sh
@@ -115,7 +115,7 @@ fi
 if [[ $PARTS == *,fused,* ]]; then
   # shellcheck disable=SC2086  # FUSED_ARGS is a list of arguments
   run_part fused $((BUDGET - (SECONDS - START) - 15)) "$PY" scripts/bench/bench_fused.py --device cuda \
-    ${FUSED_ARGS:---variants eager,fused}
+    ${FUSED_ARGS:---variants eager,fused --no-model}
   grep '^|\|^- \|^model' "$RESULTS/fused.log" > "$RESULTS/gpu_fused.md" || true
 fi
 
