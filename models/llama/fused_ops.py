@@ -45,6 +45,7 @@ AUTO_OPS: dict[str, str] = {
 # the measured 28.6k tokens/s).
 CUDA_COMPILED_REFERENCE_OPS: dict[str, str] = {
     "rms_norm": "inductor fuses the reference with the residual add before it",
-    "rope": "inductor fuses the reference's complex product with the neighbouring element-wise code",
+    "rope": "inductor fuses the reference's rotation (real arithmetic when compiling: model.apply_rope) "
+            "with the neighbouring element-wise code",
     "swiglu": "inductor fuses silu(a) * b into one kernel and recomputes silu in the backward",
 }

@@ -74,6 +74,30 @@ def test_rope_preserves_norm_and_relative_positions():
     torch.testing.assert_close(at(q, 5) @ at(k, 2), at(q, 9) @ at(k, 6), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_under_torch_compile_is_real_arithmetic_with_the_same_values(dtype):
+    """Inside torch.compile apply_rope rotates the pairs in real arithmetic: inductor generates no code for
+    complex tensors (a warning, then separate ATen kernels), which the eager complex product would give it
+    (seen in a compiled block's startup measurement on an H200). Values and gradients as eager."""
+    import warnings
+
+    torch._dynamo.reset()
+    cos, sin = rope_tables(LlamaConfig(dim=256, n_heads=2), 32)
+    x = torch.randn(2, 32, 2, 128, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_()
+    g = torch.randn(2, 32, 2, 128, generator=torch.Generator().manual_seed(1)).to(dtype)
+    compiled = torch.compile(lambda t: apply_rope(t, cos, sin))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = compiled(x)
+        (dx,) = torch.autograd.grad(y, x, g)
+    assert not [w for w in caught if "complex" in str(w.message)]
+    y_ref = apply_rope(x, cos, sin)
+    (dx_ref,) = torch.autograd.grad(y_ref, x, g)
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(y, y_ref, **tol)
+    torch.testing.assert_close(dx, dx_ref, **tol)
+
+
 def test_llama3_frequency_scaling():
     s = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
     base = rope_frequencies(128, 500000.0, None)
