@@ -11,6 +11,7 @@ world, so a restarted job skips it.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -69,12 +70,31 @@ def device_name(device) -> str:
     return f"{cpu_model_name()} ({torch.get_num_threads()} threads)"
 
 
+_REPO = pathlib.Path(__file__).resolve().parents[2]
+# The code a timing runs, besides torch: a profile or compile choice timed with other kernels (a faster
+# CUDA kernel, another rope formulation under torch.compile) must be measured again, not read.
+TIMED_SOURCES = ("models/llama/*.py", "csrc/fused_cpu.cpp", "csrc/fused_cuda.cu", "amsp/sharded_optim.py",
+                 "amsp/grad_accumulate.py")
+
+
+@functools.lru_cache(maxsize=1)
+def timed_code_hash() -> str:
+    """A hash of TIMED_SOURCES' contents (12 hex digits)."""
+    h = hashlib.sha256()
+    for pattern in TIMED_SOURCES:
+        for path in sorted(_REPO.glob(pattern)):
+            h.update(path.relative_to(_REPO).as_posix().encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def cache_key(model_cfg, seq_len: int, micro_batch: int, dtype: str, recompute: str, device, world: int,
               backend: str | None, cores_shared: bool = False, layout: list | None = None,
               compiled: bool = False, ranks_per_node: int | None = None) -> str:
     """layout: a mixed cluster's (node group, device name) of every rank; None keeps a uniform run's key.
     Everything that changes what is timed is in it: the kernels the block runs (fused ops, norm backend,
-    compiled or not), and where the ranks sit (the overlap slowdown's all_reduce crosses nodes or not)."""
+    compiled or not) and their code (timed_code_hash), and where the ranks sit (the overlap slowdown's
+    all_reduce crosses nodes or not)."""
     import torch
 
     shape = {"device": device_name(device), "dim": model_cfg.dim, "ffn": model_cfg.ffn_hidden_dim,
@@ -83,7 +103,7 @@ def cache_key(model_cfg, seq_len: int, micro_batch: int, dtype: str, recompute: 
              "mbs": micro_batch, "dtype": dtype, "recompute": recompute, "torch": torch.__version__,
              "world": world, "backend": backend, "cores_shared": cores_shared, "optimizer": 1,
              "fused": str(model_cfg.fused), "norm": str(model_cfg.norm), "compiled": compiled,
-             "ranks_per_node": ranks_per_node}
+             "ranks_per_node": ranks_per_node, "code": timed_code_hash()}
     if layout is not None:
         shape["layout"] = [list(x) for x in layout]
     return hashlib.sha1(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]

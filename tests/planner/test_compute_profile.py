@@ -170,9 +170,12 @@ def test_measured_optimizer_rate_prices_the_step():
         model.evaluate(Plan(Degrees(1, 1, 1), Degrees(1, 1, 1))).exposed_s["optimizer"])
 
 
-def test_cache_key_names_what_changes_the_timing():
-    """The kernels the block runs and where the ranks sit are in the key: a fused-off or compiled run must
-    not read a profile timed with other kernels, nor a 2 x 4 layout one timed on one node of 8."""
+def test_cache_key_names_what_changes_the_timing(monkeypatch):
+    """The kernels the block runs, their code and where the ranks sit are in the key: a fused-off or
+    compiled run must not read a profile timed with other kernels, nor one timed before the kernels'
+    code changed (the CUDA kernels' vector accesses made a block faster), nor a 2 x 4 layout one timed
+    on one node of 8."""
+    import amsp.planner.compute_profile as cp
     from amsp.planner.compute_profile import cache_key
     from models.llama import get_preset
 
@@ -184,6 +187,9 @@ def test_cache_key_names_what_changes_the_timing():
     assert base != cache_key(m.with_overrides(norm="torch"), *args)
     assert base != cache_key(m, *args, compiled=True)
     assert cache_key(m, *args, ranks_per_node=8) != cache_key(m, *args, ranks_per_node=4)
+    assert len(cp.timed_code_hash()) == 12 and "csrc/fused_cuda.cu" in cp.TIMED_SOURCES
+    monkeypatch.setattr(cp, "timed_code_hash", lambda: "another-code")
+    assert base != cache_key(m, *args)
 
 
 def test_compiled_profile_times_the_compiled_block_without_recompiling():
