@@ -21,8 +21,8 @@
 # benchmark's shape for the planner's one-GPU recheck (predicted against measured step time and peak
 # memory), with PREDICT_ARGS as extra overrides; "fused" runs scripts/bench/bench_fused.py --device cuda (each
 # fused op against its eager reference on the GPU: the measurement model.fused=auto has on CPU only),
-# into gpu_fused.md, with FUSED_ARGS passed on (default "--variants eager,fused --no-model"). One device call brings
-# back at most 8 files: with
+# into gpu_fused.md, with FUSED_ARGS passed on (default "--variants eager,fused --no-model"), after the
+# benchmark, which leaves it FUSED_RESERVE_S (default 150). One device call brings back at most 8 files: with
 # several parts, send $OUT elsewhere and pack it, e.g.
 #     R=/tmp/res; mkdir -p $R; OUT=$R GPU_CHECK_PARTS=predict,memory,bench bash scripts/gpu/check.sh
 #     tar czf $OUT/r.tgz -C $R .
@@ -111,16 +111,11 @@ if [[ $PARTS == *,memory,* ]]; then
     scripts/bench/bench_gpu_memory.py --out "$RESULTS/gpu_memory" ${MEMORY_ARGS:-}
 fi
 
-# ---- 6. fused ops against their eager references on the GPU (GPU_CHECK_PARTS=fused)
-if [[ $PARTS == *,fused,* ]]; then
-  # shellcheck disable=SC2086  # FUSED_ARGS is a list of arguments
-  run_part fused $((BUDGET - (SECONDS - START) - 15)) "$PY" scripts/bench/bench_fused.py --device cuda \
-    ${FUSED_ARGS:---variants eager,fused --no-model}
-  grep '^|\|^- \|^model' "$RESULTS/fused.log" > "$RESULTS/gpu_fused.md" || true
-fi
-
-# ---- 7. benchmark with the time that is left (the script stops starting rounds before its budget)
-left=$((BUDGET - (SECONDS - START) - 15))
+# ---- 6. benchmark with the time that is left (the script stops starting rounds before its budget), less
+# FUSED_RESERVE_S (default 150) when the fused part follows
+reserve=0
+[[ $PARTS == *,fused,* ]] && reserve=${FUSED_RESERVE_S:-150}
+left=$((BUDGET - (SECONDS - START) - 15 - reserve))
 if [[ $PARTS != *,bench,* ]]; then
   :
 elif [ "$left" -lt 90 ]; then
@@ -130,6 +125,20 @@ else
   # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
   run_part bench "$left" "$PY" scripts/bench/bench_gpu_vs_hf.py --markdown "$RESULTS/gpu_bench.md" \
     --json "$RESULTS/gpu_bench.json" --time-budget-s $((left - 30)) ${BENCH_ARGS:-}
+fi
+
+# ---- 7. fused ops against their eager references on the GPU (GPU_CHECK_PARTS=fused), after the benchmark
+left=$((BUDGET - (SECONDS - START) - 15))
+if [[ $PARTS != *,fused,* ]]; then
+  :
+elif [ "$left" -lt 30 ]; then
+  SUMMARY+=("$(printf '%-10s %-28s %4ds' fused "NOT RUN (${left}s left)" 0)")
+  FAILED=1
+else
+  # shellcheck disable=SC2086  # FUSED_ARGS is a list of arguments
+  run_part fused "$left" "$PY" scripts/bench/bench_fused.py --device cuda \
+    ${FUSED_ARGS:---variants eager,fused --no-model}
+  grep '^|\|^- \|^model' "$RESULTS/fused.log" > "$RESULTS/gpu_fused.md" || true
 fi
 
 {
