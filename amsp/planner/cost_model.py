@@ -85,6 +85,14 @@ ADAM_BYTES_PER_ELEM = 28  # read grad+master+m+v, write master+m+v (fp32); plus 
 # embedding's and first block's (exposed by design), so the 16.9 ms hidden cost 16.0 (0.95). cuBLAS's
 # matmul kernels occupy every SM, so the update's memory-bound kernels mostly run between them.
 UPDATE_HIDDEN_COST = 0.95
+
+
+def overlapped_update_exposed(waits: float, later: list[float], window: float) -> float:
+    """Exposed seconds of updates on the side stream (amsp.overlap_update): the updates nothing runs
+    before (`waits`: the embedding's, the first block's) in full, each later unit's beyond the forward
+    `window` of the unit before it. The rule both planners use (CostModel.update_exposed per role,
+    joint/stage_cost.py per stage); the hidden rest still costs UPDATE_HIDDEN_COST of itself."""
+    return waits + sum(max(0.0, u - window) for u in later)
 PHASES = ("forward", "backward", "grad", "grad_to_os", "grad_replica", "spread", "grad_norm")
 # Per-unit memory that scales with the unit count: model states and the OS gradients the step holds.
 STATE_PARTS = ("params", "grads", "optim", "grad_sync")
@@ -463,10 +471,9 @@ class CostModel:
         exposure is spread over the blocks, which share one term (the sum over the layers is exact)."""
         if not (self.o.overlap_update and self.c.device == "cuda") or role == "embedding":
             return opt
-        beyond = max(0.0, opt - self.F)
         if role == "block":
-            return (opt + (self.w.layers - 1) * beyond) / self.w.layers
-        return beyond  # the head: last in the forward
+            return overlapped_update_exposed(opt, [opt] * (self.w.layers - 1), self.F) / self.w.layers
+        return overlapped_update_exposed(0.0, [opt], self.F)  # the head: last in the forward
 
     # ---- per-group terms (what the ILP combines) ----
     def roles_of(self, group: str) -> list[tuple[str, int]]:

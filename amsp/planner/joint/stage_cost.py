@@ -27,7 +27,7 @@ from amsp.schedule import Precision
 from models.llama.config import LlamaConfig
 
 from ..comm_time import collective_seconds
-from ..cost_model import UPDATE_HIDDEN_COST, layout
+from ..cost_model import UPDATE_HIDDEN_COST, layout, overlapped_update_exposed
 from ..workload import Kernels, Workload
 from .hetero import HeteroCluster, NodeGroup, group_as_cluster
 
@@ -195,10 +195,9 @@ class StagePricer:
         whole = sum(units) * per_elem
         if not (self.s.overlap_update and self.g.spec.device == "cuda") or not units:
             return whole
-        window = self.costs.block / 3
         waits = ([pe] if embed else []) + ([pb] if n_blocks else [])  # nothing before them to hide behind
-        rest = units[len(waits):]
-        exposed = sum(waits) * per_elem + sum(max(0.0, u * per_elem - window) for u in rest)
+        exposed = overlapped_update_exposed(sum(waits) * per_elem, [u * per_elem for u in units[len(waits):]],
+                                            self.costs.block / 3)
         return exposed + UPDATE_HIDDEN_COST * (whole - exposed)
 
     def compute_s(self, n_blocks: int, embed: bool, head: bool, recompute: bool) -> float:
