@@ -12,6 +12,12 @@ norm and be skipped (no spread then): the table says when that happened.
     AMSP_PRETEND_WORLD=8 python scripts/bench/bench_gpu_memory.py            # on one GPU
     AMSP_PRETEND_WORLD=8 python scripts/bench/bench_gpu_memory.py --plans 1/1/8,8/8/8 --layers 2 --seq 1024
     AMSP_PRETEND_WORLD=8 python scripts/bench/bench_gpu_memory.py --plans 1/1/8 --compile off,on   # compiled too
+    AMSP_PRETEND_WORLD=8 python scripts/bench/bench_gpu_memory.py --allocator default,expandable
+
+--allocator measures each plan under the caching allocator's default block pools and with
+expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, switched between rows in the
+same process after emptying the cache): what the allocator reserves above the live tensors is what
+a run needs beyond the planner's tensor prediction, and what amsp.planner.memory_margin stands for.
 """
 from __future__ import annotations
 
@@ -68,6 +74,17 @@ def predicted_bytes(cfg, plan: Plan, world: int, seq: int, micro: int, window: i
     return float(sum(parts.values())), parts
 
 
+ALLOCATORS = {"default": "expandable_segments:False", "expandable": "expandable_segments:True"}
+
+
+def use_allocator(name: str) -> None:
+    """The caching allocator's segment mode for the next allocations (the cache emptied first, so no
+    segment of the other mode is reused)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.memory._set_allocator_settings(ALLOCATORS[name])
+
+
 def measure(cfg, plan: Plan, world: int, seq: int, micro: int, steps: int, window: int,
             compiled: bool = False, breakdown: bool = False) -> dict:
     if not breakdown:
@@ -121,6 +138,8 @@ def main() -> None:
     ap.add_argument("--checkpointing", default="none,full", help="model.activation_checkpointing values")
     ap.add_argument("--compile", default="off", help="off, on or off,on: blocks compiled as train.py's default on "
                     "CUDA does (each compiled row adds the compilation's time)")
+    ap.add_argument("--allocator", default="default", help="default, expandable or default,expandable: the "
+                    "caching allocator's segment mode for each row (expandable = expandable_segments:True)")
     ap.add_argument("--breakdown", action="store_true", help="record every allocation and print, per plan, what "
                     "was alive at the peak by the code that allocated it (amsp/metrics/peak_breakdown.py)")
     ap.add_argument("--out", default=None, help="write the table (markdown) and raw rows (.json) here")
@@ -131,17 +150,23 @@ def main() -> None:
     world = denv.world_size
     if denv.launcher != "pretend":
         sys.exit("run it as one rank of a pretend world: AMSP_PRETEND_WORLD=N python scripts/bench/bench_gpu_memory.py")
+    allocators = args.allocator.split(",")
+    if not set(allocators) <= set(ALLOCATORS):
+        sys.exit(f"--allocator takes {', '.join(ALLOCATORS)} (comma-separated), got {args.allocator!r}")
     rows = []
-    for ckpt, comp in [(c, m) for c in args.checkpointing.split(",") for m in args.compile.split(",")]:
+    for ckpt, comp, alloc in [(c, m, a) for c in args.checkpointing.split(",") for m in args.compile.split(",")
+                              for a in allocators]:
         if comp not in ("on", "off"):
             sys.exit(f"--compile takes off, on or off,on, got {args.compile!r}")
+        use_allocator(alloc)
         compiled = comp == "on"
         cfg = get_preset(args.preset).with_overrides(n_layers=args.layers, activation_checkpointing=ckpt)
         for text in args.plans.split(","):
             deg = Degrees(*map(int, text.split("/")))
             plan = Plan(deg, deg, name="bench")
             want, parts = predicted_bytes(cfg, plan, world, args.seq, args.micro, args.window, compiled=compiled)
-            row = {"plan": text, "checkpointing": ckpt, "compiled": compiled, "predicted_gib": want / GIB,
+            row = {"plan": text, "checkpointing": ckpt, "compiled": compiled, "allocator": alloc,
+                   "predicted_gib": want / GIB,
                    "parts_gib": {k: round(v / GIB, 3) for k, v in parts.items()}}
             try:
                 got = measure(cfg, plan, world, args.seq, args.micro, args.steps, args.window, compiled,
@@ -157,17 +182,18 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     lines = [f"{args.preset} x {args.layers} layers, seq {args.seq}, {args.micro} micro-batches of 1, rank 0 of a "
              f"pretend world of {world}, bf16, spread window {args.window}, {torch.cuda.get_device_name()}",
-             "", "| plan | checkpointing | compiled | predicted GiB (no reserve) | measured peak GiB | "
+             "", "| plan | checkpointing | compiled | allocator | predicted GiB (no reserve) | measured peak GiB | "
              "prediction error | allocator reserved GiB (over the peak) | skipped steps |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+             "|---|---|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r.get("measured_gib") is None:
-            lines.append(f"| {r['plan']} | {r['checkpointing']} | {r['compiled']} | {r['predicted_gib']:.2f} | "
-                         f"{r['error']} | | | |")
+            lines.append(f"| {r['plan']} | {r['checkpointing']} | {r['compiled']} | {r['allocator']} | "
+                         f"{r['predicted_gib']:.2f} | {r['error']} | | | |")
         else:
-            lines.append(f"| {r['plan']} | {r['checkpointing']} | {r['compiled']} | {r['predicted_gib']:.2f} | "
-                         f"{r['measured_gib']:.2f} | {r['error_pct']:+.1f}% | {r['reserved_gib']:.2f} "
-                         f"({100 * (r['reserved_gib'] / r['measured_gib'] - 1):+.1f}%) | {r['skipped_steps']} |")
+            lines.append(f"| {r['plan']} | {r['checkpointing']} | {r['compiled']} | {r['allocator']} | "
+                         f"{r['predicted_gib']:.2f} | {r['measured_gib']:.2f} | {r['error_pct']:+.1f}% | "
+                         f"{r['reserved_gib']:.2f} ({100 * (r['reserved_gib'] / r['measured_gib'] - 1):+.1f}%) | "
+                         f"{r['skipped_steps']} |")
     table = "\n".join(lines)
     print(table)
     if args.out:
