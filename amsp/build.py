@@ -13,6 +13,7 @@ import torch
 from models.llama.config import LlamaConfig
 
 from .compile import apply_compile, resolve_compile
+from .wgrad_fusion import COMPILE_OFF_WITH_FUSION
 from .engine import AMSPEngine, EngineOptions
 from .launch import DistEnv
 from .plan import Plan, plan_from_settings
@@ -60,6 +61,7 @@ def engine_from_config(amsp_cfg, optim_cfg, trainer_dtype: str, model_cfg: Llama
     options = EngineOptions(precision=precision_from_config(amsp_cfg, trainer_dtype), grad_comm=amsp_cfg.grad_comm,
                             overlap_spread=bool(amsp_cfg.overlap_spread), spread_window=int(amsp_cfg.spread_window),
                             overlap_update=bool(amsp_cfg.overlap_update), prefetch=bool(amsp_cfg.prefetch),
+                            fuse_wgrad=bool(amsp_cfg.fuse_wgrad),
                             optim=AdamWSettings(betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                                                 grad_clip=o.grad_clip))
     engine = AMSPEngine(model_cfg, plan, topo, denv.rank, seed=seed, device=device, options=options,
@@ -72,6 +74,10 @@ def engine_from_config(amsp_cfg, optim_cfg, trainer_dtype: str, model_cfg: Llama
                              "set model.compile=auto or off")
         if denv.rank == 0:
             log.info("model.compile=auto: off under model parallelism (tp=%d, pp=%d)", mesh.tp, mesh.pp)
+        return engine
+    if options.fuse_wgrad and compile == "auto" and resolve_compile(compile, device):
+        if denv.rank == 0:  # model.compile=on with it is refused by configs/validate.py
+            log.info("model.compile=auto: %s", COMPILE_OFF_WITH_FUSION)
         return engine
     apply_compile(engine.model, compile, device)
     return engine

@@ -131,6 +131,11 @@ def resolve_auto_compile(cfg: DictConfig, denv, device) -> DictConfig:
     tp, pp = (int(OmegaConf.select(cfg, f"parallel.{k}", default=1)) for k in ("tp", "pp"))
     if cfg.model.compile != "auto" or device.type != "cuda" or tp * pp > 1:
         return cfg
+    if OmegaConf.select(cfg, "amsp.fuse_wgrad") is True:  # nothing to measure: blocks stay eager with it
+        from amsp.wgrad_fusion import COMPILE_OFF_WITH_FUSION
+
+        log.info("model.compile=auto: %s", COMPILE_OFF_WITH_FUSION)
+        return OmegaConf.merge(cfg, {"model": {"compile": "off"}})
     p = planner_config(cfg)
     model = to_llama_config(cfg.model)
 

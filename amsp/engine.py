@@ -49,6 +49,7 @@ from .schedule import Precision, Unit
 from .sharded_optim import AdamWSettings, ShardedAdamW, StepResult
 from .spread_window import SpreadWindow
 from .topology import Topology
+from . import wgrad_fusion
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,10 @@ class EngineOptions:
     # Gradient reduce-scatters (and the last micro-batch's hierarchical sync) run in the background
     # of the remaining backward; False waits for each as soon as it is launched (for benchmarks).
     async_grad_reduce: bool = True
+    # Linear layers' weight gradients accumulated by their own GEMM into the G shard / reduce-scatter buffer
+    # (amsp/wgrad_fusion.py) instead of leaving autograd as tensors the hooks add in. Not with TP-sharded
+    # weights or compiled blocks.
+    fuse_wgrad: bool = False
     optim: AdamWSettings = AdamWSettings()
 
     def __post_init__(self) -> None:
@@ -255,6 +260,7 @@ class AMSPEngine:
 
     def _install_hooks(self) -> None:
         hook = EngineHook.factory(self)  # holds the engine weakly: amsp/engine_hooks.py says why
+        self._fused_linears = 0
         for i, u in enumerate(self._fwd_order):
             nxt = self._next_in_chunk(self._fwd_order, i)
             for j, mod in enumerate(u.modules):
@@ -262,6 +268,9 @@ class AMSPEngine:
                 mod.register_forward_hook(hook("_post_forward", u, j == len(u.modules) - 1))
             for s in u.slots:
                 u.param(s).register_post_accumulate_grad_hook(hook("_grad_ready", u, s))
+                if self.options.fuse_wgrad and s.tp is None and wgrad_fusion.fusable(s.module, s.attr):
+                    wgrad_fusion.install(s.module, hook("_fused_wgrad", u, s))
+                    self._fused_linears += 1
         self._bwd_next = {id(u): self._next_in_chunk(self._bwd_order, i) for i, u in enumerate(self._bwd_order)}
 
     def _log_choices(self) -> None:
@@ -274,6 +283,11 @@ class AMSPEngine:
                  on[self.options.prefetch], on[self.options.async_grad_reduce], on[self.options.overlap_spread],
                  self.options.spread_window)
         log.info("gradient accumulation into the fp32 G shards: %s", describe_accumulation(self.device))
+        if self.options.fuse_wgrad:
+            log.info("linear weight gradients: accumulated by their own GEMM into the gradient buffers "
+                     "(amsp.fuse_wgrad): %d linear layers routed (the head's serves only an unfused loss)%s",
+                     self._fused_linears,
+                     "" if self.mesh is None or self.mesh.tp == 1 else "; tensor-parallel ones keep their hooks")
         log.info("optimizer update: %s", self._updates.describe() if self.options.overlap_update
                  else "in step(), every unit at once")
         for grp in ("blocks", "embed_head"):
@@ -328,7 +342,14 @@ class AMSPEngine:
     @staticmethod
     def _new_micro_state(last: bool, units: list[FlatUnit]) -> dict:
         return {"last": last, "bwd_started": set(), "done": set(), "pipeline": [], "units": units,
-                "waiting": {id(u): len(u.slots) for u in units}, "stage": {id(u): 0 for u in units}}
+                "waiting": {id(u): len(u.slots) for u in units}, "stage": {id(u): 0 for u in units},
+                "wgrad_started": set()}
+
+    @staticmethod
+    def _first_grad(st: dict, u: FlatUnit) -> bool:
+        """Whether no gradient of `u` has reached it yet in this micro-batch, through its parameter hooks or
+        a fused weight-gradient GEMM (which runs before its parameter's hook)."""
+        return st["waiting"][id(u)] == len(u.slots) and id(u) not in st["wgrad_started"]
 
     def _pre_backward(self, u: FlatUnit, grad_output) -> None:
         st = self._state_of(u, starting=True)
@@ -339,9 +360,16 @@ class AMSPEngine:
         if first and nxt is not None and self.options.prefetch and id(nxt) not in st["done"]:
             nxt.start_gather("backward")
 
+    def _fused_wgrad(self, u: FlatUnit, slot, gy: torch.Tensor, x: torch.Tensor) -> None:
+        """A linear layer's weight gradient from its own backward (amsp/wgrad_fusion.py), before its hook."""
+        st = self._state_of(u)
+        first = self._first_grad(st, u)
+        st["wgrad_started"].add(id(u))
+        u.fused_wgrad(slot, gy, x, first)
+
     def _grad_ready(self, u: FlatUnit, slot, param) -> None:
         st = self._state_of(u)
-        u.take_grad(slot, param, first=st["waiting"][id(u)] == len(u.slots))
+        u.take_grad(slot, param, first=self._first_grad(st, u))
         left = st["waiting"][id(u)] - 1
         st["waiting"][id(u)] = left
         if left:

@@ -26,6 +26,7 @@ from .grad_accumulate import accumulate
 from .grad_accumulate import native_available as native_accumulate_available
 from .groups import UnitGroups
 from .plan import Degrees
+from .wgrad_fusion import wgrad_into
 from .parallel.tp_slices import TPSlot
 
 
@@ -80,6 +81,8 @@ class FlatUnit:
         self.norm_excluded = self._segments_where(lambda slot: not slot.norm_counted)
         self.replicas = world // deg.os  # ranks holding the same OS shard
         self._flat, self._flat_filled = None, 0  # this micro-batch's reduce-scatter input while grads arrive
+        # Offsets of slots whose gradient this backward's GEMM already wrote (fused_wgrad): their hook only drops
+        self._wgrad_taken: set[int] = set()
         if deg.p > 1:
             self.full = torch.empty(lay.padded, dtype=compute_dtype, device=device)
             self.full.untyped_storage().resize_(0)
@@ -193,10 +196,16 @@ class FlatUnit:
         only once every gradient had arrived held the unit's autograd gradients and the flat copy at
         once: the head's 2 x 47 MiB was the peak of the last pipeline stage at tp 2. `first`: the
         unit's first gradient of this backward (a buffer left by an interrupted one is dropped)."""
-        if first:
-            self._flat, self._flat_filled = None, 0
         if param.grad is None:
             raise RuntimeError(f"{s.name} received no gradient in this backward")
+        if s.offset in self._wgrad_taken:  # fused_wgrad wrote it; autograd's tensor is a placeholder
+            self._wgrad_taken.discard(s.offset)
+            self._flat_filled += self.deg.g > 1
+            param.grad = None
+            return
+        if first:
+            self._flat, self._flat_filled = None, 0
+            self._wgrad_taken.clear()
         grad = param.grad if s.tp is None else _local_grad(param.grad, s.tp)
         if self.deg.g == 1:
             accumulate(self.g_shard[s.offset:s.offset + s.numel], grad, self._g_stale, self._native_acc)
@@ -206,6 +215,23 @@ class FlatUnit:
             self._flat[s.offset:s.offset + s.numel].copy_(grad.reshape(-1))
             self._flat_filled += 1
         param.grad = None
+
+    def fused_wgrad(self, s: ParamSlot, gy: torch.Tensor, x: torch.Tensor, first: bool) -> None:
+        """A linear layer's weight gradient gy^T @ x computed straight into where take_grad would have put
+        it (amsp/wgrad_fusion.py): the G shard with g = 1 (written over on the step's first micro-batch,
+        else added), else the unit's reduce-scatter buffer. Its parameter hook follows and only drops
+        autograd's placeholder. `first`: as take_grad's."""
+        if first:
+            self._flat, self._flat_filled = None, 0
+            self._wgrad_taken.clear()
+        if self.deg.g == 1:
+            dest, overwrite = self.g_shard[s.offset:s.offset + s.numel], self._g_stale
+        else:
+            if self._flat is None:
+                self._flat = torch.empty(self.layout.padded, dtype=self.grad_dtype, device=self.device)
+            dest, overwrite = self._flat[s.offset:s.offset + s.numel], True
+        wgrad_into(dest.view(s.shape), gy, x, overwrite)
+        self._wgrad_taken.add(s.offset)
 
     def take_flat_grads(self) -> torch.Tensor | None:
         """After the unit's last take_grad: the flat buffer for launch_grad_reduce (padding zeroed), or

@@ -182,6 +182,10 @@ class AMSPConfig:
     # Each unit's AdamW update waits for the unit's next forward; on CUDA it runs on a side stream beside
     # that forward (amsp/overlapped_update.py). Off by default: it won 0.3% on an H200 (BENCHMARKS.md).
     overlap_update: bool = False
+    # Linear layers' weight gradients accumulated by their own GEMM into the fp32 gradient buffers
+    # (amsp/wgrad_fusion.py, as Megatron-LM's gradient_accumulation_fusion). Not with compiled blocks
+    # (model.compile=auto then keeps them eager) or tensor parallelism.
+    fuse_wgrad: bool = False
     prefetch: bool = True  # prefetch the next unit's parameter all-gather
     planner: PlannerConfig = field(default_factory=PlannerConfig)  # used when plan=auto
 

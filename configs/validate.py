@@ -165,6 +165,10 @@ def _cross_field_problems(cfg: DictConfig) -> list[str]:
     if _number(seq) and _number(longest) and seq > longest:  # the RoPE tables stop at max_seq_len
         out.append(f"data.seq_len={seq} is not allowed: expected at most model.max_seq_len={longest} "
                    f"(raise model.max_seq_len or shorten data.seq_len)")
+    if OmegaConf.select(cfg, "amsp.fuse_wgrad") is True and OmegaConf.select(cfg, "model.compile") == "on":
+        out.append("amsp.fuse_wgrad=true is not allowed with model.compile=on: the fused weight-gradient GEMM "
+                   "calls the engine from the backward, which torch.compile cannot trace (model.compile=auto "
+                   "keeps blocks eager with it)")
     out += _parallel_problems(cfg)
     init_from = OmegaConf.select(cfg, "trainer.init_from", default=None)
     if init_from is not None:  # a path that is neither an HF folder nor a checkpoint: named before any state
@@ -259,6 +263,9 @@ def _parallel_problems(cfg: DictConfig) -> list[str]:
     if OmegaConf.select(cfg, "model.compile") == "on" and (p.tp > 1 or p.pp > 1):
         out.append(f"model.compile=on is not allowed with parallel.tp={p.tp}, parallel.pp={p.pp}: compiled blocks "
                    f"are not measured under model parallelism yet (model.compile=auto compiles only without it)")
+    if OmegaConf.select(cfg, "amsp.fuse_wgrad") is True and p.tp > 1:
+        out.append(f"amsp.fuse_wgrad=true is not allowed with parallel.tp={p.tp}: tensor-parallel weights keep "
+                   f"autograd's gradients")
     flags = OmegaConf.select(p, "recompute_stages")
     if flags is not None and len(flags) != stages:
         out.append(f"parallel.recompute_stages={list(flags)} is not allowed: expected {stages} flags (pp x "

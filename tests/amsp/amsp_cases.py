@@ -91,7 +91,8 @@ def run_case(rank: int, world: int, topo: Topology, case: dict, ref: dict) -> di
     blocks, embed_head = Degrees(*case["blocks"]), Degrees(*case.get("embed_head", case["blocks"]))
     plan = Plan(blocks, embed_head, name="test")
     opts = EngineOptions(precision=case.get("precision", "fp32"), overlap_spread=case.get("overlap", False),
-                         overlap_update=case.get("update", False), prefetch=case.get("prefetch", True), optim=SETTINGS)
+                         overlap_update=case.get("update", False), prefetch=case.get("prefetch", True),
+                         fuse_wgrad=case.get("fuse", False), optim=SETTINGS)
     eng = AMSPEngine(model_cfg(case.get("ckpt", "none"), case.get("tie", False)), plan, topo, rank, seed=SEED,
                      options=opts)
     ref = ref["tied" if case.get("tie") else "untied"]

@@ -68,6 +68,11 @@ def test_every_plan_4_ranks_as_2_nodes_of_2():
         # is not valid; os > p gathers), local spreads, mixed groups.
         {"blocks": (1, 1, 4), "embed_head": (2, 2, 2), "steps": 8, "update": True},
         {"blocks": (4, 4, 4), "steps": 8, "update": True, "ckpt": "full"},
+        # Weight gradients written by their GEMM (amsp/wgrad_fusion.py): into the G shard (g = 1, over a
+        # step's micro-batches), into the reduce-scatter buffer (g > 1) under recomputation, and in bf16.
+        {"blocks": (1, 1, 4), "embed_head": (2, 2, 2), "steps": 8, "fuse": True},
+        {"blocks": (2, 4, 4), "steps": 8, "fuse": True, "ckpt": "full"},
+        {"blocks": (1, 2, 2), "steps": 8, "fuse": True, "precision": "bf16", "tol": 3e-2},
         # bf16 compute against the fp32 reference: memory and accounting exact, losses only close
         # (tests/amsp/test_bf16_reference.py holds bf16 plans to a bf16 reference, tightly).
         {"blocks": (2, 2, 4), "embed_head": (1, 2, 2), "steps": 8, "precision": "bf16", "tol": 3e-2},

@@ -1,0 +1,83 @@
+"""Weight gradients accumulated by their own GEMM into the unit's gradient buffer (amsp.fuse_wgrad).
+
+Without it a linear layer's weight gradient leaves autograd as a tensor of its own in the compute
+dtype (the GEMM writes it), and the engine's hook reads it back to add it into the unit's fp32 G shard
+or copy it into the reduce-scatter buffer (amsp/grad_accumulate.py): on an H200 at the GPU-path
+issue's shape that pass was 21 ms of a 360 ms step (BENCHMARKS.md, profile.txt). With it, every
+linear layer the engine holds runs through LinearIntoGradBuffer, whose backward has the GEMM do the
+accumulation (C = gy^T x + beta C with C the fp32 buffer slice; the GEMM is compute-bound, so reading
+and writing C in its epilogue costs little), as Megatron-LM's gradient_accumulation_fusion does.
+Autograd still receives a weight gradient, an uninitialised tensor (an allocation, no memory traffic),
+so the engine's per-parameter hooks fire in the usual order and count the unit's gradients; the hook
+finds the slot already taken and only drops it (FlatUnit.take_grad).
+
+The GEMM: with weights in the buffer's dtype (fp32 runs, bf16 gradient communication) addmm_ into the
+slice; bf16 weights into an fp32 buffer on CUDA torch.addmm(..., out_dtype=torch.float32) (bf16 inputs,
+fp32 accumulation and output: no bf16 rounding of each micro-batch's gradient, unlike the unfused
+path); elsewhere (CPU has no mixed-dtype GEMM) the product in fp32, then added: the same values,
+without the saving, so CPU tests cover the plumbing.
+Not for tensor-parallel (DTensor) weights, nor inside compiled blocks: dynamo cannot trace the
+engine's call in the backward (configs/validate.py and amsp/build.py refuse or skip those).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+COMPILE_OFF_WITH_FUSION = "off with amsp.fuse_wgrad (its backward calls the engine, which dynamo cannot trace)"
+# sink(gy, x): the weight gradient gy^T @ x of one linear layer, gy (tokens, out), x (tokens, in)
+Sink = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def wgrad_into(dest: torch.Tensor, gy: torch.Tensor, x: torch.Tensor, overwrite: bool) -> None:
+    """dest (out x in) = gy^T @ x, plus dest's old values unless `overwrite` (then they are never read:
+    an uninitialised buffer may hold NaNs)."""
+    beta = 0.0 if overwrite else 1.0
+    if gy.dtype == dest.dtype:
+        dest.addmm_(gy.t(), x, beta=beta)
+    elif dest.device.type == "cuda":
+        torch.addmm(dest, gy.t(), x, beta=beta, out_dtype=dest.dtype, out=dest)
+    else:
+        prod = torch.mm(gy.t().to(dest.dtype), x.to(dest.dtype))
+        if overwrite:
+            dest.copy_(prod)
+        else:
+            dest.add_(prod)
+
+
+class LinearIntoGradBuffer(torch.autograd.Function):
+    """F.linear(x, weight) (no bias) whose weight gradient goes to `sink` instead of autograd."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, sink: Sink) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)  # what F.linear's own backward keeps
+        ctx.sink = sink
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        gx = gy.matmul(weight) if ctx.needs_input_grad[0] else None
+        gw = None
+        if ctx.needs_input_grad[1]:
+            ctx.sink(gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1]))
+            # The engine's post-accumulate hook still fires on this parameter (and drops this tensor).
+            gw = torch.empty_like(weight)
+        return gx, gw, None
+
+
+def fusable(module: nn.Module, attr: str) -> bool:
+    """Whether this parameter slot is a bias-free nn.Linear's weight (what LinearIntoGradBuffer computes)."""
+    return isinstance(module, nn.Linear) and attr == "weight" and module.bias is None
+
+
+def install(linear: nn.Linear, sink: Sink) -> None:
+    """Route the layer's forward through LinearIntoGradBuffer. The weight is looked up at each call: the
+    engine installs its parameters after building the model and may reinstall them."""
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return LinearIntoGradBuffer.apply(x, linear.weight, sink)
+
+    linear.forward = forward
