@@ -261,6 +261,13 @@ class AMSPEngine:
     def _install_hooks(self) -> None:
         hook = EngineHook.factory(self)  # holds the engine weakly: amsp/engine_hooks.py says why
         self._fused_linears = 0
+        fuse = self.options.fuse_wgrad
+        if fuse and self.compute_dtype != torch.float32:  # bf16 operands into fp32 buffers: the native GEMM
+            why = wgrad_fusion.mixed_gemm_unavailable(self.device)
+            if why is not None:
+                fuse = False
+                log.warning("amsp.fuse_wgrad: the mixed-dtype weight-gradient GEMM is unavailable on %s (%s); "
+                            "weight gradients are accumulated by the parameter hooks instead", self.device, why)
         for i, u in enumerate(self._fwd_order):
             nxt = self._next_in_chunk(self._fwd_order, i)
             for j, mod in enumerate(u.modules):
@@ -268,7 +275,7 @@ class AMSPEngine:
                 mod.register_forward_hook(hook("_post_forward", u, j == len(u.modules) - 1))
             for s in u.slots:
                 u.param(s).register_post_accumulate_grad_hook(hook("_grad_ready", u, s))
-                if self.options.fuse_wgrad and s.tp is None and wgrad_fusion.fusable(s.module, s.attr):
+                if fuse and s.tp is None and wgrad_fusion.fusable(s.module, s.attr):
                     wgrad_fusion.install(s.module, hook("_fused_wgrad", u, s))
                     self._fused_linears += 1
         self._bwd_next = {id(u): self._next_in_chunk(self._bwd_order, i) for i, u in enumerate(self._bwd_order)}
@@ -283,7 +290,7 @@ class AMSPEngine:
                  on[self.options.prefetch], on[self.options.async_grad_reduce], on[self.options.overlap_spread],
                  self.options.spread_window)
         log.info("gradient accumulation into the fp32 G shards: %s", describe_accumulation(self.device))
-        if self.options.fuse_wgrad:
+        if self._fused_linears:
             log.info("linear weight gradients: accumulated by their own GEMM into the gradient buffers "
                      "(amsp.fuse_wgrad): %d linear layers routed (the head's serves only an unfused loss)%s",
                      self._fused_linears,

@@ -12,12 +12,15 @@ so the engine's per-parameter hooks fire in the usual order and count the unit's
 finds the slot already taken and only drops it (FlatUnit.take_grad).
 
 The GEMM: with weights in the buffer's dtype (fp32 runs, bf16 gradient communication) addmm_ into the
-slice; bf16 weights into an fp32 buffer on CUDA torch.addmm(..., out_dtype=torch.float32) (bf16 inputs,
-fp32 accumulation and output: no bf16 rounding of each micro-batch's gradient, unlike the unfused
-path); elsewhere (CPU has no mixed-dtype GEMM) the product in fp32, then added: the same values,
-without the saving, so CPU tests cover the plumbing.
+slice; bf16 weights into an fp32 buffer through amsp_fused::wgrad_accumulate, on CUDA one cuBLAS GEMM with
+bf16 operands and an fp32 output read and written in place (csrc/wgrad_gemm_cuda.cu; torch's addmm with
+out_dtype cannot add into an fp32 buffer), on CPU the product widened to fp32, then added (the same
+values without the saving, so CPU tests cover the plumbing). Each micro-batch's product is kept in fp32,
+where the unfused path rounds it to bf16 before adding it.
 Not for tensor-parallel (DTensor) weights, nor inside compiled blocks: dynamo cannot trace the
-engine's call in the backward (configs/validate.py and amsp/build.py refuse or skip those).
+engine's call in the backward (configs/validate.py and amsp/build.py refuse or skip those). Where the
+mixed-dtype GEMM cannot be built (a CUDA toolkit without cuBLAS's headers), the engine says so and keeps
+the hooks' accumulation (mixed_gemm_unavailable).
 """
 from __future__ import annotations
 
@@ -32,20 +35,29 @@ COMPILE_OFF_WITH_FUSION = "off with amsp.fuse_wgrad (its backward calls the engi
 Sink = Callable[[torch.Tensor, torch.Tensor], None]
 
 
+def mixed_gemm_unavailable(device: torch.device) -> str | None:
+    """None when amsp_fused::wgrad_accumulate serves `device` (CUDA: the cuBLAS library built and loaded;
+    CPU: the native CPU extension), else why not."""
+    from csrc.loader import CPU_EXTENSION, WGRAD_EXTENSION, load_extension, load_wgrad_extension
+
+    if torch.device(device).type == "cuda":
+        return None if load_wgrad_extension() is not None else (WGRAD_EXTENSION.error or CPU_EXTENSION.error)
+    return None if load_extension() is not None else CPU_EXTENSION.error
+
+
 def wgrad_into(dest: torch.Tensor, gy: torch.Tensor, x: torch.Tensor, overwrite: bool) -> None:
     """dest (out x in) = gy^T @ x, plus dest's old values unless `overwrite` (then they are never read:
     an uninitialised buffer may hold NaNs)."""
-    beta = 0.0 if overwrite else 1.0
     if gy.dtype == dest.dtype:
-        dest.addmm_(gy.t(), x, beta=beta)
-    elif dest.device.type == "cuda":
-        torch.addmm(dest, gy.t(), x, beta=beta, out_dtype=dest.dtype, out=dest)
-    else:
-        prod = torch.mm(gy.t().to(dest.dtype), x.to(dest.dtype))
+        dest.addmm_(gy.t(), x, beta=0.0 if overwrite else 1.0)
+    elif dest.device.type == "cpu" and mixed_gemm_unavailable(dest.device) is not None:
+        prod = torch.mm(gy.t().to(dest.dtype), x.to(dest.dtype))  # the op's arithmetic, in torch
         if overwrite:
             dest.copy_(prod)
         else:
             dest.add_(prod)
+    else:
+        torch.ops.amsp_fused.wgrad_accumulate(x, gy, dest, overwrite)
 
 
 class LinearIntoGradBuffer(torch.autograd.Function):

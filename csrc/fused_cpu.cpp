@@ -391,6 +391,28 @@ void accumulate_grad(const at::Tensor& acc, const at::Tensor& grad, bool overwri
   }
 }
 
+// A linear layer's weight gradient accumulated into its fp32 buffer by the GEMM itself (amsp/wgrad_fusion.py):
+// acc (out x in) = gy^T @ x, plus acc unless overwrite (then acc is never read: it may be uninitialised).
+// x (tokens x in) and gy (tokens x out) share a dtype; the products are summed in fp32 whatever it is. On
+// CPU the operands are widened to fp32 first (no mixed-dtype GEMM here); the CUDA version
+// (csrc/wgrad_gemm_cuda.cu) is one cuBLAS GEMM with fp32 accumulation and output, beta = 0 or 1.
+void wgrad_accumulate(const at::Tensor& x, const at::Tensor& gy, const at::Tensor& acc, bool overwrite) {
+  TORCH_CHECK(x.dim() == 2 && gy.dim() == 2 && acc.dim() == 2,
+              "amsp_fused::wgrad_accumulate: x, gy and acc must be matrices");
+  TORCH_CHECK(x.scalar_type() == gy.scalar_type(), "amsp_fused::wgrad_accumulate: x and gy differ in dtype");
+  TORCH_CHECK(acc.scalar_type() == at::kFloat && acc.is_contiguous(),
+              "amsp_fused::wgrad_accumulate: the accumulator must be a contiguous float32 tensor");
+  TORCH_CHECK(gy.size(0) == x.size(0) && acc.size(0) == gy.size(1) && acc.size(1) == x.size(1),
+              "amsp_fused::wgrad_accumulate: shapes x ", x.sizes(), ", gy ", gy.sizes(), ", acc ", acc.sizes(),
+              " do not give acc = gy^T @ x");
+  const auto prod = at::mm(gy.t().to(at::kFloat), x.to(at::kFloat));
+  if (overwrite) {
+    acc.copy_(prod);
+  } else {
+    acc.add_(prod);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(amsp_fused, m) {
@@ -403,6 +425,7 @@ TORCH_LIBRARY(amsp_fused, m) {
   m.def("linear_cross_entropy_fwd(Tensor h, Tensor weight, Tensor targets, int ignore_index, int chunk, "
         "bool compute_grad) -> (Tensor, Tensor, Tensor)");
   m.def("accumulate_grad(Tensor(a!) acc, Tensor grad, bool overwrite) -> ()");
+  m.def("wgrad_accumulate(Tensor x, Tensor gy, Tensor(a!) acc, bool overwrite) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(amsp_fused, CPU, m) {
@@ -414,4 +437,5 @@ TORCH_LIBRARY_IMPL(amsp_fused, CPU, m) {
   m.impl("swiglu_bwd", &swiglu_bwd);
   m.impl("linear_cross_entropy_fwd", &linear_cross_entropy_fwd);
   m.impl("accumulate_grad", &accumulate_grad);
+  m.impl("wgrad_accumulate", &wgrad_accumulate);
 }

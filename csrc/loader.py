@@ -32,6 +32,9 @@ EXTENSION_NAME = "amsp_csrc_cpu"
 CPU_SOURCES = ("fused_cpu.cpp", "index_helpers.cpp")
 CUDA_EXTENSION_NAME = "amsp_csrc_cuda"
 CUDA_SOURCES = ("fused_cuda.cu",)  # CUDA kernels for the ops fused_cpu.cpp defines
+# The cuBLAS weight-gradient GEMM (amsp.fuse_wgrad): a library of its own, since it needs cuBLAS's headers
+WGRAD_EXTENSION_NAME = "amsp_wgrad_cuda"
+WGRAD_SOURCES = ("wgrad_gemm_cuda.cu",)
 CUDA_FLAGS = ["-O3", "--use_fast_math"]
 DISABLE_ENV = "AMSP_CSRC_DISABLE"  # set to 1 to skip building (e.g. to time the references)
 CACHE_ENV = "AMSP_CSRC_CACHE"
@@ -78,7 +81,25 @@ def _first_error_line(exc: BaseException) -> str:
     return text.splitlines()[0].strip() if text.strip() else type(exc).__name__
 
 
-def build_and_load(name: str, sources: list[Path], verbose: bool = False) -> str:
+def cublas_include_dirs() -> list[str]:
+    """Directories holding cublas_v2.h: the CUDA toolkit's, else those torch's CUDA wheels install
+    (site-packages/nvidia/cu13/include, nvidia/cublas/include for CUDA 12)."""
+    import site
+    import sysconfig
+
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    candidates = [Path(CUDA_HOME) / "include"] if CUDA_HOME else []
+    roots = {sysconfig.get_paths()["purelib"], *site.getsitepackages()}
+    for root in sorted(roots):
+        candidates += [Path(root) / "nvidia" / sub / "include" for sub in ("cu13", "cublas", "cu12")]
+    for d in candidates:
+        if (d / "cublas_v2.h").exists():
+            return [str(d)]
+    return []
+
+
+def build_and_load(name: str, sources: list[Path], verbose: bool = False, include_dirs: list[str] | None = None) -> str:
     """Compile (if not already cached) and load a TORCH_LIBRARY extension; returns the library path."""
     from torch.utils.cpp_extension import load
 
@@ -94,7 +115,7 @@ def build_and_load(name: str, sources: list[Path], verbose: bool = False) -> str
     if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     load(name=name, sources=[str(s) for s in sources], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-         extra_cuda_cflags=CUDA_FLAGS if cuda else None, with_cuda=cuda,
+         extra_cuda_cflags=CUDA_FLAGS if cuda else None, with_cuda=cuda, extra_include_paths=include_dirs,
          build_directory=str(build_dir), is_python_module=False, verbose=verbose)
     return str(build_dir / f"{name}.so")
 
@@ -102,8 +123,9 @@ def build_and_load(name: str, sources: list[Path], verbose: bool = False) -> str
 class NativeExtension:
     """One extension's build-and-load, attempted at most once per process."""
 
-    def __init__(self, name: str, sources: list[Path]):
-        self.name, self.sources = name, sources
+    def __init__(self, name: str, sources: list[Path], include_dirs=None):
+        """include_dirs: a function giving extra header directories, called at the first build."""
+        self.name, self.sources, self.include_dirs = name, sources, include_dirs
         self.lib: str | None = None
         self.error: str | None = None  # why it is unavailable, once a load has failed
         self._lock = threading.Lock()
@@ -118,7 +140,8 @@ class NativeExtension:
                 log.info("csrc: %s %s", self.name, self.error)
                 return None
             try:
-                self.lib = build_and_load(self.name, self.sources)
+                self.lib = build_and_load(self.name, self.sources,
+                                          include_dirs=self.include_dirs() if self.include_dirs else None)
             except Exception as exc:  # any build or load failure: fall back, but loudly, once
                 self.error = _first_error_line(exc)
                 warnings.warn(f"csrc: building the native extension {self.name} failed ({self.error}); "
@@ -130,6 +153,8 @@ class NativeExtension:
 
 CPU_EXTENSION = NativeExtension(EXTENSION_NAME, [CSRC_DIR / s for s in CPU_SOURCES])
 CUDA_EXTENSION = NativeExtension(CUDA_EXTENSION_NAME, [CSRC_DIR / s for s in CUDA_SOURCES])
+WGRAD_EXTENSION = NativeExtension(WGRAD_EXTENSION_NAME, [CSRC_DIR / s for s in WGRAD_SOURCES],
+                                  include_dirs=cublas_include_dirs)
 
 
 def cuda_build_possible() -> str | None:
@@ -156,6 +181,19 @@ def load_cuda_extension() -> str | None:
             log.info("csrc: CUDA kernels not built (%s)", why)
         return None
     return CUDA_EXTENSION.load()
+
+
+def load_wgrad_extension() -> str | None:
+    """The cuBLAS weight-gradient GEMM's library (after the CPU one, which defines the op), or None with a
+    logged reason (no CUDA build or device, or no cuBLAS headers: then a warning names the build error)."""
+    if load_extension() is None:
+        return None
+    why = cuda_build_possible()
+    if why is not None:
+        if WGRAD_EXTENSION.error is None:
+            WGRAD_EXTENSION.error = why
+        return None
+    return WGRAD_EXTENSION.load()
 
 
 def load_extension() -> str | None:

@@ -11,7 +11,7 @@ import amsp_cases as C
 from amsp.engine import AMSPEngine, EngineOptions
 from amsp.plan import Degrees, Plan
 from amsp.topology import Topology
-from amsp.wgrad_fusion import wgrad_into
+from amsp.wgrad_fusion import mixed_gemm_unavailable, wgrad_into
 
 
 def _operands(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -21,6 +21,9 @@ def _operands(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_gemm_writes_over_then_adds_in_fp32(dtype):
+    """fp32: addmm_ into the buffer; bf16 operands: the native op amsp_fused::wgrad_accumulate (its CPU
+    version here, the same contract as the cuBLAS one)."""
+    assert mixed_gemm_unavailable(torch.device("cpu")) is None  # the CPU extension builds wherever the suite runs
     gy, x = _operands(dtype)
     want = gy.double().t() @ x.double()  # bf16 inputs multiplied exactly, summed in high precision
     dest = torch.full((24, 40), float("nan"))  # written over: the old values are never read
@@ -28,6 +31,8 @@ def test_the_gemm_writes_over_then_adds_in_fp32(dtype):
     assert torch.allclose(dest.double(), want, rtol=1e-5, atol=1e-5)
     wgrad_into(dest, gy, x, overwrite=False)
     assert torch.allclose(dest.double(), 2 * want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="do not give acc"):
+        torch.ops.amsp_fused.wgrad_accumulate(x, gy, torch.zeros(40, 24), True)
 
 
 def _engine(precision: str, fuse: bool) -> AMSPEngine:

@@ -1,6 +1,6 @@
 """Weight gradients accumulated by their own GEMM on CUDA (amsp.fuse_wgrad, amsp/wgrad_fusion.py): bf16
-inputs into an fp32 buffer through torch.addmm(..., out_dtype=torch.float32, out=buffer), which has no
-CPU kernel, and an engine trained with it against the unfused one. The CPU twin: tests/amsp/test_wgrad_fusion.py."""
+operands into an fp32 buffer through csrc/wgrad_gemm_cuda.cu's cuBLAS GEMM (beta 0 and 1), and an engine
+trained with it against the unfused one. The CPU twin: tests/amsp/test_wgrad_fusion.py."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,7 @@ from amsp.engine import AMSPEngine, EngineOptions
 from amsp.plan import Degrees, Plan
 from amsp.sharded_optim import AdamWSettings
 from amsp.topology import Topology
-from amsp.wgrad_fusion import wgrad_into
+from amsp.wgrad_fusion import mixed_gemm_unavailable, wgrad_into
 from models.llama import get_preset
 
 pytestmark = pytest.mark.gpu
@@ -19,6 +19,8 @@ pytestmark = pytest.mark.gpu
 def test_bf16_operands_accumulate_into_fp32_on_the_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    why = mixed_gemm_unavailable(torch.device("cuda"))
+    assert why is None, f"the cuBLAS weight-gradient GEMM did not build or load: {why}"
     g = torch.Generator(device="cuda").manual_seed(0)
     gy = torch.randn(4096, 1024, device="cuda", generator=g).bfloat16()
     x = torch.randn(4096, 512, device="cuda", generator=g).bfloat16()
@@ -31,6 +33,10 @@ def test_bf16_operands_accumulate_into_fp32_on_the_gpu():
     bf16_dest = torch.zeros(1024, 512, device="cuda", dtype=torch.bfloat16)  # bf16 gradient communication
     wgrad_into(bf16_dest, gy, x, overwrite=True)
     assert torch.allclose(bf16_dest.double(), want, rtol=2e-2, atol=5e-1)
+    # Operands that are views (autograd hands the backward transposed or sliced gradients)
+    wide = torch.randn(4096, 2048, device="cuda", generator=g).bfloat16()
+    wgrad_into(dest, wide[:, ::2], x, overwrite=True)
+    assert torch.allclose(dest.double(), wide[:, ::2].double().t() @ x.double(), rtol=1e-3, atol=1e-2)
 
 
 def _engine(fuse: bool, deg: Degrees) -> AMSPEngine:
