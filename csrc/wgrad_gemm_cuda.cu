@@ -10,20 +10,34 @@
 // amsp.fuse_wgrad is lost, not the fused kernels of csrc/fused_cuda.cu.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/macros/Export.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cublas_v2.h>
 #include <torch/library.h>
 
 #include <climits>
-
-namespace at::cuda {
-// torch's cuBLAS handle for the current device, bound to the current stream and given its workspace.
-// Declared as ATen/cuda/CUDAContextLight.h declares it: that header also needs cuSPARSE's, cuSOLVER's
-// and cuDSS's headers, which this file has no use for.
-TORCH_CUDA_CPP_API cublasHandle_t getCurrentCUDABlasHandle(bool setup);
-}  // namespace at::cuda
+#include <mutex>
+#include <unordered_map>
 
 namespace {
+
+// One cuBLAS handle per device, made here rather than borrowed from torch: ATen's accessor is declared in a
+// header that also needs cuSPARSE's, cuSOLVER's and cuDSS's headers, and its signature has changed between
+// torch versions. cuBLAS gives a handle its own default workspace. Handles live as long as the process.
+cublasHandle_t handle_for(c10::DeviceIndex device) {
+  static std::mutex mutex;
+  static std::unordered_map<c10::DeviceIndex, cublasHandle_t> handles;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = handles.find(device);
+  if (it != handles.end()) {
+    return it->second;
+  }
+  cublasHandle_t handle = nullptr;
+  const cublasStatus_t status = cublasCreate(&handle);
+  TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "amsp_fused::wgrad_accumulate: cublasCreate failed: ",
+              cublasGetStatusString(status));
+  handles.emplace(device, handle);
+  return handle;
+}
 
 cudaDataType_t operand_type(at::ScalarType t) {
   switch (t) {
@@ -66,8 +80,11 @@ void wgrad_accumulate_cuda(const at::Tensor& x, const at::Tensor& gy, const at::
   const float alpha = 1.0f;
   const float beta = overwrite ? 0.0f : 1.0f;
   // The handle torch keeps for this device, bound to the current stream (and its workspace).
-  cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle(true);
-  const cublasStatus_t status = cublasGemmEx(
+  cublasHandle_t handle = handle_for(acc.device().index());
+  cublasStatus_t status = cublasSetStream(handle, c10::cuda::getCurrentCUDAStream(acc.device().index()).stream());
+  TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "amsp_fused::wgrad_accumulate: cublasSetStream failed: ",
+              cublasGetStatusString(status));
+  status = cublasGemmEx(
       handle, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(in), static_cast<int>(out), static_cast<int>(tokens), &alpha,
       xc.const_data_ptr(), t, static_cast<int>(in), gc.const_data_ptr(), t, static_cast<int>(out), &beta,
       acc.data_ptr(), CUDA_R_32F, static_cast<int>(in), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
