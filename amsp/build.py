@@ -61,7 +61,7 @@ def engine_from_config(amsp_cfg, optim_cfg, trainer_dtype: str, model_cfg: Llama
     options = EngineOptions(precision=precision_from_config(amsp_cfg, trainer_dtype), grad_comm=amsp_cfg.grad_comm,
                             overlap_spread=bool(amsp_cfg.overlap_spread), spread_window=int(amsp_cfg.spread_window),
                             overlap_update=bool(amsp_cfg.overlap_update), prefetch=bool(amsp_cfg.prefetch),
-                            fuse_wgrad=bool(amsp_cfg.fuse_wgrad),
+                            fuse_wgrad=bool(amsp_cfg.fuse_wgrad), optimizer_kernel=str(amsp_cfg.optimizer_kernel),
                             optim=AdamWSettings(betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                                                 grad_clip=o.grad_clip))
     engine = AMSPEngine(model_cfg, plan, topo, denv.rank, seed=seed, device=device, options=options,

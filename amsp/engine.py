@@ -117,6 +117,7 @@ class EngineOptions:
     # (amsp/wgrad_fusion.py) instead of leaving autograd as tensors the hooks add in. Not with TP-sharded
     # weights or compiled blocks.
     fuse_wgrad: bool = False
+    optimizer_kernel: str = "auto"  # amsp/sharded_optim.py KERNELS
     optim: AdamWSettings = AdamWSettings()
 
     def __post_init__(self) -> None:
@@ -157,7 +158,8 @@ class AMSPEngine:
         self.units = self._build_units(dtype)
         self._materialise(seed)
         world = tuple(range(mesh.world)) if mesh is not None else None
-        self.optim = ShardedAdamW(self.units, options.optim, self.comm, norm_ranks=world)
+        self.optim = ShardedAdamW(self.units, options.optim, self.comm, kernel=options.optimizer_kernel,
+                                  norm_ranks=world)
         self._updates = OverlappedUpdates(self.optim, self.units, self.device)
         self._fwd_order = self.units
         self._bwd_order = sorted(self.units, key=lambda u: self._module_pos[id(u.modules[-1])], reverse=True)

@@ -83,6 +83,9 @@ class FlatUnit:
         self._flat, self._flat_filled = None, 0  # this micro-batch's reduce-scatter input while grads arrive
         # Offsets of slots whose gradient this backward's GEMM already wrote (fused_wgrad): their hook only drops
         self._wgrad_taken: set[int] = set()
+        # Set by the optimizer's csrc kernel when its update wrote the compute weights (os = p), consumed by
+        # the spread that follows every update
+        self.weights_written = False
         if deg.p > 1:
             self.full = torch.empty(lay.padded, dtype=compute_dtype, device=device)
             self.full.untyped_storage().resize_(0)
@@ -310,8 +313,10 @@ class FlatUnit:
         if self.deg.os == self.deg.p:
             # The OS shard is the whole P shard: nothing to gather. Write it now (no transient);
             # nobody reads this P shard before the unit's next forward, which finish_spread gates.
-            if not self.master_is_weights:
+            # The optimizer's csrc kernel may have written it already, in the update's own pass.
+            if not self.master_is_weights and not self.weights_written:
                 self.p_shard.copy_(self.master)
+            self.weights_written = False
             self._spread = (None, None)
             return
         src = self.master.to(self.compute_dtype)

@@ -36,7 +36,7 @@ from .flat_unit import FlatUnit
 
 log = logging.getLogger(__name__)
 
-KERNELS = ("auto", "fused", "foreach")
+KERNELS = ("auto", "fused", "foreach", "csrc")
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,16 @@ def fused_adamw_available(device: torch.device) -> bool:
     return torch.device(device).type in _get_fused_kernels_supported_devices()
 
 
+def native_adamw_unavailable(device: torch.device) -> str | None:
+    """None when amsp_fused::adamw_update serves `device` (csrc's CUDA kernels, or the CPU extension),
+    else why not."""
+    from csrc.loader import CPU_EXTENSION, CUDA_EXTENSION, load_cuda_extension, load_extension
+
+    if torch.device(device).type == "cuda":
+        return None if load_cuda_extension() is not None else (CUDA_EXTENSION.error or CPU_EXTENSION.error)
+    return None if load_extension() is not None else CPU_EXTENSION.error
+
+
 def _segments(chunk: int, decay: list[tuple[int, int]]) -> list[tuple[int, bool]]:
     """[0, chunk) cut into consecutive (length, decays) runs: the decay segments and the gaps."""
     runs, pos = [], 0
@@ -100,15 +110,26 @@ class ShardedAdamW:
                 ("foreach", f"no fused AdamW kernel for device type {torch.device(device).type}")
         elif kernel == "fused" and not fused_adamw_available(device):
             raise RuntimeError(f"no fused AdamW kernel for device type {torch.device(device).type}")
+        elif kernel == "csrc" and native_adamw_unavailable(device) is not None:
+            raise RuntimeError(f"AdamW kernel csrc requested, but amsp_fused::adamw_update is unavailable on {device}: "
+                               f"{native_adamw_unavailable(device)}")
         self.kernel = kernel
         if comm.rank == 0:
-            log.info("sharded AdamW on %s: %s (%s)", device, "torch._fused_adamw_, one launch per decay class"
-                     if kernel == "fused" else "torch._foreach_* ops, unit by unit", why)
+            log.info("sharded AdamW on %s: %s (%s)", device, {
+                "fused": "torch._fused_adamw_, one launch per decay class",
+                "foreach": "torch._foreach_* ops, unit by unit",
+                "csrc": "amsp_fused::adamw_update, one pass per run of a unit, the gradient not written back, "
+                        "the compute weights of units with os = p written in the same pass"}[kernel], why)
         # Per unit: run lengths for torch.split and which runs decay; state views built once (master,
         # exp_avg and exp_avg_sq are never rebound; the gradient is new each step).
         self._runs = [_segments(u.layout.chunk, u.decay_segments) for u in units]
         self._state = [tuple(self._split(t, runs) for t in (u.master, u.exp_avg, u.exp_avg_sq))
                        for u, runs in zip(units, self._runs)]
+        # kernel csrc: where the OS shard is the P shard (os = p) and the weights are a separate bf16 copy,
+        # the update also writes them (the spread's cast is then skipped: FlatUnit.launch_spread)
+        self._weights_out = [self._split(u.p_shard, runs) if kernel == "csrc" and not u.master_is_weights
+                             and u.deg.os == u.deg.p else None for u, runs in zip(units, self._runs)]
+        self._no_out = torch.empty(0, dtype=torch.float32, device=device)
         # The gradient norm reads, per unit, the runs of its OS gradient that count (all of it unless some
         # parameters are TP-replicated copies counted on another rank): lengths fixed, so weights too.
         self._norm_runs = [_segments(u.layout.chunk, u.norm_excluded) for u in units]
@@ -181,6 +202,8 @@ class ShardedAdamW:
         if self.kernel == "fused":
             self._fused(*self._lists(True, which), lr, self.s.weight_decay, prepared.scale)
             self._fused(*self._lists(False, which), lr, 0.0, prepared.scale)
+        elif self.kernel == "csrc":
+            self._native(which, lr, prepared.scale)
         else:
             self._foreach(which, lr, prepared.scale)
 
@@ -191,6 +214,19 @@ class ShardedAdamW:
         torch._fused_adamw_(params, grads, avgs, sqs, [], [self._step_t] * len(params), lr=lr, beta1=b1, beta2=b2,
                             weight_decay=wd, eps=self.s.eps, amsgrad=False, maximize=False, grad_scale=scale,
                             found_inf=None)
+
+    def _native(self, which: list[int], lr: float, scale: torch.Tensor | None) -> None:
+        """csrc's one-pass AdamW, run by run (a run is one decay class: its weight decay is a scalar)."""
+        b1, b2 = self.s.betas
+        step_size, bc2_sqrt = lr / (1 - b1 ** self.steps), math.sqrt(1 - b2 ** self.steps)
+        for i in which:
+            u, runs, (params, avgs, sqs), outs = self.units[i], self._runs[i], self._state[i], self._weights_out[i]
+            for j, (g, (_, decays)) in enumerate(zip(self._split(u.os_grad, runs), runs)):
+                torch.ops.amsp_fused.adamw_update(params[j], g, avgs[j], sqs[j], self._no_out if outs is None
+                                                  else outs[j], scale, lr, self.s.weight_decay if decays else 0.0,
+                                                  b1, b2, self.s.eps, step_size, bc2_sqrt)
+            if outs is not None:
+                u.weights_written = True
 
     def _foreach(self, which: list[int], lr: float, scale: torch.Tensor | None) -> None:
         """torch.optim.AdamW's foreach algorithm, one unit at a time (its temporary: one denominator)."""

@@ -186,6 +186,10 @@ class AMSPConfig:
     # (amsp/wgrad_fusion.py, as Megatron-LM's gradient_accumulation_fusion). Not with compiled blocks
     # (model.compile=auto then keeps them eager) or tensor parallelism.
     fuse_wgrad: bool = False
+    # The sharded AdamW's kernel: auto (torch's fused AdamW where the device has it, else foreach ops) |
+    # fused | foreach | csrc (amsp_fused::adamw_update: one pass that also writes the bf16 weights of units
+    # with os = p and leaves the gradient unwritten; not yet timed on a GPU)
+    optimizer_kernel: str = "auto"
     prefetch: bool = True  # prefetch the next unit's parameter all-gather
     planner: PlannerConfig = field(default_factory=PlannerConfig)  # used when plan=auto
 

@@ -97,6 +97,7 @@ RULES: tuple[Rule, ...] = (
     finite_at_least("logging.peak_tflops", 0, strict=True, optional=True),
     one_of("amsp.precision", "auto", "fp32", "bf16"),
     one_of("amsp.grad_comm", "auto", "fp32", "bf16"),
+    one_of("amsp.optimizer_kernel", "auto", "fused", "foreach", "csrc"),
     one_of("model.compile", "auto", "on", "off"),
     one_of("cluster.device", "cpu", "cuda"),
     int_at_least("amsp.spread_window", 1),

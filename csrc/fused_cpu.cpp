@@ -413,6 +413,54 @@ void wgrad_accumulate(const at::Tensor& x, const at::Tensor& gy, const at::Tenso
   }
 }
 
+// AdamW on one contiguous fp32 run of a unit's OS shard (amsp/sharded_optim.py kernel "csrc"): torch's fused
+// AdamW arithmetic (decoupled decay first, then the moments, eps added to the bias-corrected sqrt of v), the
+// gradient divided by grad_scale (the clip) but not written back, and the new weights also stored in `out`'s
+// dtype when it has elements (the bf16 compute copy). The CUDA version (csrc/fused_cuda.cu) is one pass with
+// 16-byte accesses; this one states the same arithmetic in float, element by element.
+void adamw_update(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                  const at::Tensor& exp_avg_sq, const at::Tensor& out, const std::optional<at::Tensor>& grad_scale,
+                  double lr, double weight_decay, double beta1, double beta2, double eps, double step_size,
+                  double bias_correction2_sqrt) {
+  const int64_t n = param.numel();
+  for (const at::Tensor* t : {&param, &grad, &exp_avg, &exp_avg_sq}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n,
+                "amsp_fused::adamw_update: param, grad and moments must be contiguous float32 tensors of one size");
+  }
+  TORCH_CHECK(out.numel() == 0 || (out.numel() == n && out.is_contiguous()),
+              "amsp_fused::adamw_update: out must be empty or a contiguous tensor of the parameter's size");
+  const float s = grad_scale.has_value() ? grad_scale->item<float>() : 1.f;
+  const float lr_f = static_cast<float>(lr), wd = static_cast<float>(weight_decay);
+  const float b1 = static_cast<float>(beta1), b2 = static_cast<float>(beta2), ep = static_cast<float>(eps);
+  const float ss = static_cast<float>(step_size), bc2 = static_cast<float>(bias_correction2_sqrt);
+  float* p = param.mutable_data_ptr<float>();
+  const float* g = grad.const_data_ptr<float>();
+  float* m = exp_avg.mutable_data_ptr<float>();
+  float* v = exp_avg_sq.mutable_data_ptr<float>();
+  const at::ScalarType out_type = out.numel() > 0 ? out.scalar_type() : at::kFloat;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out_type, "adamw_update", [&] {
+    scalar_t* o = out.numel() > 0 ? out.mutable_data_ptr<scalar_t>() : nullptr;
+    at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        float pi = p[i];
+        const float gi = g[i] / s;
+        if (wd != 0.f) {
+          pi -= lr_f * wd * pi;
+        }
+        const float mi = b1 * m[i] + (1.f - b1) * gi;
+        const float vi = b2 * v[i] + (1.f - b2) * gi * gi;
+        pi -= ss * mi / (std::sqrt(vi) / bc2 + ep);
+        p[i] = pi;
+        m[i] = mi;
+        v[i] = vi;
+        if (o != nullptr) {
+          o[i] = static_cast<scalar_t>(pi);
+        }
+      }
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(amsp_fused, m) {
@@ -426,6 +474,9 @@ TORCH_LIBRARY(amsp_fused, m) {
         "bool compute_grad) -> (Tensor, Tensor, Tensor)");
   m.def("accumulate_grad(Tensor(a!) acc, Tensor grad, bool overwrite) -> ()");
   m.def("wgrad_accumulate(Tensor x, Tensor gy, Tensor(a!) acc, bool overwrite) -> ()");
+  m.def("adamw_update(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor(d!) out, "
+        "Tensor? grad_scale, float lr, float weight_decay, float beta1, float beta2, float eps, float step_size, "
+        "float bias_correction2_sqrt) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(amsp_fused, CPU, m) {
@@ -438,4 +489,5 @@ TORCH_LIBRARY_IMPL(amsp_fused, CPU, m) {
   m.impl("linear_cross_entropy_fwd", &linear_cross_entropy_fwd);
   m.impl("accumulate_grad", &accumulate_grad);
   m.impl("wgrad_accumulate", &wgrad_accumulate);
+  m.impl("adamw_update", &adamw_update);
 }

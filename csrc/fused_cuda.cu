@@ -385,6 +385,121 @@ void accumulate_grad_cuda(const at::Tensor& acc, const at::Tensor& grad_in, bool
   });
 }
 
+// ---------------------------------------------------------------- AdamW on one OS-shard run
+// amsp_fused::adamw_update (schema and the CPU version: csrc/fused_cpu.cpp; the caller: amsp/sharded_optim.py):
+// torch's fused AdamW arithmetic over fp32 param / grad / moments in one pass, four elements per thread and
+// iteration (16-byte accesses), the gradient divided by the clip scale but not written back, and the new
+// weights also stored in the compute dtype when `out` is given: 30 bytes a parameter (bf16 out) where
+// torch's _fused_adamw_ (which writes the scaled gradient back) and the separate cast moved 38.
+struct AdamWArgs {
+  float lr, weight_decay, beta1, beta2, eps, step_size, bias_correction2_sqrt;
+};
+
+__device__ __forceinline__ void adamw_element(float& p, float g, float& m, float& v, const AdamWArgs& a) {
+  if (a.weight_decay != 0.f) {
+    p -= a.lr * a.weight_decay * p;  // decoupled decay, before the moments, as torch's kernel
+  }
+  m = a.beta1 * m + (1.f - a.beta1) * g;
+  v = a.beta2 * v + (1.f - a.beta2) * g * g;
+  p -= a.step_size * m / (sqrtf(v) / a.bias_correction2_sqrt + a.eps);
+}
+
+template <typename out_t>
+__global__ void adamw_vec4_kernel(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m,
+                                  float* __restrict__ v, out_t* __restrict__ out, const float* __restrict__ scale,
+                                  int64_t n4, AdamWArgs a) {
+  auto* p4 = reinterpret_cast<float4*>(param);
+  const auto* g4 = reinterpret_cast<const float4*>(grad);
+  auto* m4 = reinterpret_cast<float4*>(m);
+  auto* v4 = reinterpret_cast<float4*>(v);
+  auto* o4 = reinterpret_cast<Vec4<out_t>*>(out);
+  const float s = scale != nullptr ? *scale : 1.f;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4; i += stride) {
+    float4 p = p4[i], g = g4[i], mm = m4[i], vv = v4[i];
+    adamw_element(p.x, g.x / s, mm.x, vv.x, a);
+    adamw_element(p.y, g.y / s, mm.y, vv.y, a);
+    adamw_element(p.z, g.z / s, mm.z, vv.z, a);
+    adamw_element(p.w, g.w / s, mm.w, vv.w, a);
+    p4[i] = p;
+    m4[i] = mm;
+    v4[i] = vv;
+    if (out != nullptr) {
+      Vec4<out_t> o;
+      o.v[0] = static_cast<out_t>(p.x);
+      o.v[1] = static_cast<out_t>(p.y);
+      o.v[2] = static_cast<out_t>(p.z);
+      o.v[3] = static_cast<out_t>(p.w);
+      o4[i] = o;
+    }
+  }
+}
+
+// Elements [begin, n): all of them when a pointer is misaligned, else the tail after the vectors.
+template <typename out_t>
+__global__ void adamw_scalar_kernel(float* param, const float* grad, float* m, float* v, out_t* out,
+                                    const float* scale, int64_t begin, int64_t n, AdamWArgs a) {
+  const float s = scale != nullptr ? *scale : 1.f;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = begin + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += stride) {
+    float p = param[i], mm = m[i], vv = v[i];
+    adamw_element(p, grad[i] / s, mm, vv, a);
+    param[i] = p;
+    m[i] = mm;
+    v[i] = vv;
+    if (out != nullptr) {
+      out[i] = static_cast<out_t>(p);
+    }
+  }
+}
+
+void adamw_update_cuda(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                       const at::Tensor& exp_avg_sq, const at::Tensor& out, const std::optional<at::Tensor>& grad_scale,
+                       double lr, double weight_decay, double beta1, double beta2, double eps, double step_size,
+                       double bias_correction2_sqrt) {
+  const int64_t n = param.numel();
+  for (const at::Tensor* t : {&param, &grad, &exp_avg, &exp_avg_sq}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n && t->is_cuda(),
+                "amsp_fused::adamw_update: param, grad and moments must be contiguous float32 CUDA tensors of "
+                "one size");
+  }
+  TORCH_CHECK(out.numel() == 0 || (out.numel() == n && out.is_contiguous() && out.device() == param.device()),
+              "amsp_fused::adamw_update: out must be empty or a contiguous tensor of the parameter's size");
+  const float* scale = nullptr;
+  if (grad_scale.has_value()) {
+    TORCH_CHECK(grad_scale->numel() == 1 && grad_scale->scalar_type() == at::kFloat &&
+                grad_scale->device() == param.device(), "amsp_fused::adamw_update: grad_scale must be a float32 "
+                "scalar on the parameter's device");
+    scale = grad_scale->const_data_ptr<float>();
+  }
+  if (n == 0) return;
+  const AdamWArgs a{static_cast<float>(lr), static_cast<float>(weight_decay), static_cast<float>(beta1),
+                    static_cast<float>(beta2), static_cast<float>(eps), static_cast<float>(step_size),
+                    static_cast<float>(bias_correction2_sqrt)};
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const at::ScalarType out_type = out.numel() > 0 ? out.scalar_type() : at::kFloat;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out_type, "adamw_update_cuda", [&] {
+    float* p = param.mutable_data_ptr<float>();
+    const float* g = grad.const_data_ptr<float>();
+    float* m = exp_avg.mutable_data_ptr<float>();
+    float* v = exp_avg_sq.mutable_data_ptr<float>();
+    scalar_t* o = out.numel() > 0 ? out.mutable_data_ptr<scalar_t>() : nullptr;
+    const auto a16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+    const bool aligned = a16(p) && a16(g) && a16(m) && a16(v) &&
+                         (o == nullptr || reinterpret_cast<uintptr_t>(o) % (4 * sizeof(scalar_t)) == 0);
+    const int64_t n4 = aligned ? n / 4 : 0;
+    if (n4 > 0) {
+      adamw_vec4_kernel<scalar_t><<<blocks_for(n4), kThreads, 0, stream>>>(p, g, m, v, o, scale, n4, a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    if (n4 * 4 < n) {
+      adamw_scalar_kernel<scalar_t><<<blocks_for(n - n4 * 4), kThreads, 0, stream>>>(p, g, m, v, o, scale, n4 * 4,
+                                                                                      n, a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+}
+
 // ---------------------------------------------------------------- rotary embedding
 template <typename scalar_t, typename acc_t>
 __global__ void rope_kernel(const scalar_t* x, const acc_t* cs, const acc_t* sn, scalar_t* out, int64_t n_pairs,
@@ -720,4 +835,5 @@ TORCH_LIBRARY_IMPL(amsp_fused, CUDA, m) {
   m.impl("swiglu_bwd", &swiglu_bwd_cuda);
   m.impl("linear_cross_entropy_fwd", &linear_cross_entropy_fwd_cuda);
   m.impl("accumulate_grad", &accumulate_grad_cuda);
+  m.impl("adamw_update", &adamw_update_cuda);
 }

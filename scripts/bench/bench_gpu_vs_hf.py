@@ -12,6 +12,10 @@ Variants, all on the same model shape, random token batch, global batch and opti
   ours_fuse_wgrad
                  ours with amsp.fuse_wgrad=true: each linear layer's weight gradient is accumulated by its
                  own GEMM into the fp32 gradient buffer (amsp/wgrad_fusion.py), no separate accumulation pass.
+  ours_adamw_csrc
+                 ours with amsp.optimizer_kernel=csrc: one pass of csrc's AdamW per run, which also writes the
+                 bf16 weights and does not write the clip-scaled gradient back.
+  ours_fast      ours with both of the above.
   ours_no_optimizer
                  ours with the optimizer taken out (norm, update and spread skipped: every step counts as
                  skipped): the floor the optimizer's cost is read against. Exposed optimizer share of a
@@ -64,8 +68,8 @@ from models.llama.model import lm_loss  # noqa: E402
 
 log = logging.getLogger("bench_gpu_vs_hf")
 
-VARIANTS = ("ours", "ours_compiled", "ours_overlap_update", "ours_fuse_wgrad", "ours_no_optimizer", "hf",
-            "hf_compiled")
+VARIANTS = ("ours", "ours_compiled", "ours_overlap_update", "ours_fuse_wgrad", "ours_adamw_csrc", "ours_fast",
+            "ours_no_optimizer", "hf", "hf_compiled")
 FLOOR = "ours_no_optimizer"
 LR = 1e-4
 # Optimizer settings shared by both sides (configs/schema.py OptimConfig defaults).
@@ -159,13 +163,15 @@ def blocks_compiled(model) -> bool:
 
 
 def build_ours(cfg: LlamaConfig, device: torch.device, dtype_name: str, compiled: bool, seed: int,
-               overlap_update: bool = False, optimizer: bool = True, fuse_wgrad: bool = False):
+               overlap_update: bool = False, optimizer: bool = True, fuse_wgrad: bool = False,
+               optimizer_kernel: str = "auto"):
     from amsp.build import engine_from_config
     from amsp.launch import DistEnv
     from amsp.sharded_optim import PreparedStep, StepResult
     from configs.schema import AMSPConfig, OptimConfig
 
-    amsp_cfg = AMSPConfig(plan="ddp", overlap_update=overlap_update, fuse_wgrad=fuse_wgrad)  # one rank: 1/1/1
+    amsp_cfg = AMSPConfig(plan="ddp", overlap_update=overlap_update, fuse_wgrad=fuse_wgrad,  # one rank: 1/1/1
+                          optimizer_kernel=optimizer_kernel)
     optim_cfg = OptimConfig(weight_decay=WEIGHT_DECAY, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, grad_clip=GRAD_CLIP)
     extra = {}
     switch = our_compile_switch()
@@ -292,7 +298,8 @@ def measure(name: str, args, cfg: LlamaConfig, device: torch.device, batch) -> d
     if name.startswith("ours"):
         holder, step = build_ours(cfg, device, args.dtype, name == "ours_compiled", args.seed,
                                   overlap_update=name == "ours_overlap_update", optimizer=name != FLOOR,
-                                  fuse_wgrad=name == "ours_fuse_wgrad")
+                                  fuse_wgrad=name in ("ours_fuse_wgrad", "ours_fast"),
+                                  optimizer_kernel="csrc" if name in ("ours_adamw_csrc", "ours_fast") else "auto")
     else:
         holder, step = build_hf(cfg, device, autocast=args.dtype == "bf16", compiled=name == "hf_compiled",
                                 seed=args.seed, compile_backend=args.compile_backend)
@@ -461,7 +468,7 @@ def markdown(meta: dict, summary: dict) -> str:
     ref = summary.get("hf", {}).get("tokens_per_s")
     best_hf = max((summary.get(n, {}).get("tokens_per_s") or 0) for n in ("hf", "hf_compiled")) or None
     lines.append("")
-    for name in ("ours", "ours_compiled", "ours_overlap_update", "ours_fuse_wgrad"):
+    for name in ("ours", "ours_compiled", "ours_overlap_update", "ours_fuse_wgrad", "ours_adamw_csrc", "ours_fast"):
         t = summary.get(name, {}).get("tokens_per_s")
         if t and ref and best_hf:
             lines.append(f"- {name}: {t / ref:.2f}x transformers eager, {t / best_hf:.2f}x the faster transformers "

@@ -92,7 +92,8 @@ def run_case(rank: int, world: int, topo: Topology, case: dict, ref: dict) -> di
     plan = Plan(blocks, embed_head, name="test")
     opts = EngineOptions(precision=case.get("precision", "fp32"), overlap_spread=case.get("overlap", False),
                          overlap_update=case.get("update", False), prefetch=case.get("prefetch", True),
-                         fuse_wgrad=case.get("fuse", False), optim=SETTINGS)
+                         fuse_wgrad=case.get("fuse", False), optimizer_kernel=case.get("kernel", "auto"),
+                         optim=SETTINGS)
     eng = AMSPEngine(model_cfg(case.get("ckpt", "none"), case.get("tie", False)), plan, topo, rank, seed=SEED,
                      options=opts)
     ref = ref["tied" if case.get("tie") else "untied"]

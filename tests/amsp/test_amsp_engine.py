@@ -73,6 +73,11 @@ def test_every_plan_4_ranks_as_2_nodes_of_2():
         {"blocks": (1, 1, 4), "embed_head": (2, 2, 2), "steps": 8, "fuse": True},
         {"blocks": (2, 4, 4), "steps": 8, "fuse": True, "ckpt": "full"},
         {"blocks": (1, 2, 2), "steps": 8, "fuse": True, "precision": "bf16", "tol": 3e-2},
+        # The one-pass AdamW kernel (amsp_fused::adamw_update): fp32, and bf16 where it also writes the compute
+        # weights of units with os = p (the blocks here; the embedding and head spread theirs).
+        {"blocks": (1, 2, 4), "steps": 8, "kernel": "csrc"},
+        {"blocks": (2, 2, 2), "embed_head": (1, 1, 2), "steps": 8, "kernel": "csrc", "precision": "bf16",
+         "tol": 3e-2},
         # bf16 compute against the fp32 reference: memory and accounting exact, losses only close
         # (tests/amsp/test_bf16_reference.py holds bf16 plans to a bf16 reference, tightly).
         {"blocks": (2, 2, 4), "embed_head": (1, 2, 2), "steps": 8, "precision": "bf16", "tol": 3e-2},

@@ -1,4 +1,4 @@
-"""ShardedAdamW on its own: equal to torch.optim.AdamW + clip_grad_norm_ with both kernels, skipped
+"""ShardedAdamW on its own: equal to torch.optim.AdamW + clip_grad_norm_ with every kernel, skipped
 non-finite steps, one host sync per step, and the kernel choice logged.
 
 The optimizer touches a unit only through its OS-shard tensors, decay segments and replica count,
@@ -48,7 +48,7 @@ def _units(replicas: int = 1, seed: int = 0) -> list:
         units.append(types.SimpleNamespace(
             device=torch.device("cpu"), layout=types.SimpleNamespace(chunk=chunk), decay_segments=segs, norm_excluded=[],
             master=master, exp_avg=torch.zeros(chunk), exp_avg_sq=torch.zeros(chunk), replicas=replicas,
-            os_grad=None))
+            os_grad=None, master_is_weights=True))
     return units
 
 
@@ -86,7 +86,7 @@ def _reference(units: list, steps: int, lr, settings: AdamWSettings = SETTINGS, 
     return [[p.detach() for p in ps] for ps in params], norms
 
 
-@pytest.mark.parametrize("kernel", ["fused", "foreach"])
+@pytest.mark.parametrize("kernel", ["fused", "foreach", "csrc"])
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_equals_torch_adamw_with_clipping(kernel, replicas):
     steps = 20
@@ -123,7 +123,7 @@ def test_norm_leaves_out_tp_replicated_copies():
     assert opt.step(1e-3).grad_norm == pytest.approx(kept.norm().item(), rel=1e-6)
 
 
-@pytest.mark.parametrize("kernel", ["fused", "foreach"])
+@pytest.mark.parametrize("kernel", ["fused", "foreach", "csrc"])
 def test_clipping_off_and_no_weight_decay(kernel):
     settings = AdamWSettings(betas=(0.8, 0.9), eps=1e-6, weight_decay=0.0, grad_clip=0.0)
     units = _units()
@@ -159,7 +159,7 @@ def test_non_finite_gradient_skips_the_step(bad):
 SYNCS = ("item", "cpu", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__")
 
 
-@pytest.mark.parametrize("kernel", ["fused", "foreach"])
+@pytest.mark.parametrize("kernel", ["fused", "foreach", "csrc"])
 def test_one_host_sync_per_step(monkeypatch, kernel):
     """Every way a tensor's value reaches Python is counted while step() runs: exactly one (the
     all-reduced squared norm), whether the step applies or is skipped."""
@@ -203,3 +203,57 @@ def test_segments_cover_the_chunk_in_order():
     assert _segments(10, [(2, 4), (4, 7)]) == [(2, False), (2, True), (3, True), (3, False)]
     assert _segments(5, []) == [(5, False)]
     assert _segments(5, [(0, 5)]) == [(5, True)]
+
+
+@pytest.mark.parametrize("n,offset", [(4096, 0), (1003, 1)])  # the vector path and an odd, misaligned run
+def test_csrc_kernel_writes_the_compute_weights_and_leaves_the_gradient(n, offset):
+    """amsp_fused::adamw_update against torch's fused AdamW on one run: the same master and moments, the
+    bf16 weights written in the same pass equal to the new master's cast, the (clip-scaled) gradient not
+    written back (torch's kernel writes it; the engine drops it after the step anyway)."""
+    g = torch.Generator().manual_seed(n)
+    buf = [torch.randn(n + offset, generator=g)[offset:] for _ in range(3)]
+    master, grad, avg = buf
+    sq = torch.rand(n, generator=g) * 1e-2
+    scale, step, lr = torch.tensor(1.7), 7, 3e-4
+    b1, b2 = SETTINGS.betas
+    ref = [t.clone() for t in (master, grad, avg, sq)]
+    torch._fused_adamw_([ref[0]], [ref[1]], [ref[2]], [ref[3]], [], [torch.tensor(float(step))], lr=lr, beta1=b1,
+                        beta2=b2, weight_decay=0.1, eps=SETTINGS.eps, amsgrad=False, maximize=False,
+                        grad_scale=scale, found_inf=None)
+    grad_before = grad.clone()
+    out = torch.empty(n, dtype=torch.bfloat16)
+    torch.ops.amsp_fused.adamw_update(master, grad, avg, sq, out, scale, lr, 0.1, b1, b2, SETTINGS.eps,
+                                      lr / (1 - b1 ** step), math.sqrt(1 - b2 ** step))
+    torch.testing.assert_close(master, ref[0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(avg, ref[2], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(sq, ref[3], rtol=1e-5, atol=1e-9)
+    assert torch.equal(out, master.bfloat16()) and torch.equal(grad, grad_before)
+
+
+@pytest.mark.parametrize("overlap_update", [False, True])
+def test_csrc_kernel_in_the_engine_writes_the_weights_the_spread_would(overlap_update):
+    """bf16 engine, one rank (os = p everywhere): with kernel csrc the update writes the bf16 weights and the
+    spread skips its cast; the weights are the new masters' cast after every step (through the deferred,
+    unit-by-unit update too), and training follows torch's fused kernel closely."""
+    import amsp_cases as C
+    from amsp.engine import AMSPEngine, EngineOptions
+    from amsp.plan import Degrees, Plan
+    from amsp.topology import Topology
+
+    def engine(kernel):
+        deg = Degrees(1, 1, 1)
+        opts = EngineOptions(precision="bf16", optimizer_kernel=kernel, overlap_update=overlap_update, optim=C.SETTINGS)
+        return AMSPEngine(C.model_cfg(), Plan(deg, deg, name="t"), Topology(1, 1), 0, seed=C.SEED, options=opts)
+
+    torch_k, ours = engine("fused"), engine("csrc")
+    assert ours.optim.kernel == "csrc" and all(w is not None for w in ours.optim._weights_out)
+    for step in range(4):
+        for m in range(C.MICRO):
+            losses = [e.forward_backward(*C.micro_batch(step, m, 0), m, C.MICRO).item() for e in (torch_k, ours)]
+            assert losses[1] == pytest.approx(losses[0], rel=1e-3), (step, m, losses)
+        for e in (torch_k, ours):
+            e.step(C.SCHEDULE(step))
+        ours.finish_spread()  # the deferred updates, if any, and their spreads
+        for u in ours.units:
+            assert torch.equal(u.p_shard, u.master.bfloat16()), (step, u.name)
+            assert not u.weights_written

@@ -26,14 +26,15 @@ def test_tiny_cpu_run_measures_every_requested_variant(tmp_path):
     # The eager compile backend traces hf_compiled with dynamo without inductor's C++ build, which
     # alone takes a minute on two cores; the GPU run uses inductor.
     cmd = [sys.executable, SCRIPT, "--tiny", "--device", "cpu", "--threads", "1", "--variants",
-           "ours,ours_overlap_update,ours_fuse_wgrad,ours_no_optimizer,hf,hf_compiled",
+           "ours,ours_overlap_update,ours_fuse_wgrad,ours_fast,ours_no_optimizer,hf,hf_compiled",
            "--compile-backend", "eager", "--peak-tflops", "0.05", "--json", str(out_json), "--markdown", str(out_md)]
     env = {**os.environ, "AMSP_CACHE_DIR": str(tmp_path / "cache")}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out_json.read_text())
     summary = report["summary"]
-    assert set(summary) == {"ours", "ours_overlap_update", "ours_fuse_wgrad", "ours_no_optimizer", "hf", "hf_compiled"}
+    assert set(summary) == {"ours", "ours_overlap_update", "ours_fuse_wgrad", "ours_fast", "ours_no_optimizer", "hf",
+                            "hf_compiled"}
     for name, s in summary.items():
         assert s["status"] == "ok", (name, s)
         assert s["tokens_per_s"] > 0 and 0 < s["mfu"] < 1, (name, s)
@@ -41,7 +42,7 @@ def test_tiny_cpu_run_measures_every_requested_variant(tmp_path):
         assert s["first_step_s_round1"] >= s["build_s_round1"] > 0, (name, s)
     # The floor takes every step out of the optimizer; the others are read against it.
     assert summary["ours_no_optimizer"]["skipped_steps"] == 2 and summary["ours"]["skipped_steps"] == 0
-    for name in ("ours", "ours_overlap_update", "ours_fuse_wgrad"):
+    for name in ("ours", "ours_overlap_update", "ours_fuse_wgrad", "ours_fast"):
         assert summary[name]["exposed_optimizer_share"] < 1, summary[name]
     assert "exposed_optimizer_share" not in summary["hf"]
     rounds = report["rounds"]["ours"][0]
