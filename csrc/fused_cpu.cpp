@@ -417,7 +417,7 @@ void wgrad_accumulate(const at::Tensor& x, const at::Tensor& gy, const at::Tenso
 // AdamW arithmetic (decoupled decay first, then the moments, eps added to the bias-corrected sqrt of v), the
 // gradient divided by grad_scale (the clip) but not written back, and the new weights also stored in `out`'s
 // dtype when it has elements (the bf16 compute copy). The CUDA version (csrc/fused_cuda.cu) is one pass with
-// 16-byte accesses; this one states the same arithmetic in float, element by element.
+// 16-byte accesses; this one the same arithmetic in float over ATen's CPU vectors.
 void adamw_update(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                   const at::Tensor& exp_avg_sq, const at::Tensor& out, const std::optional<at::Tensor>& grad_scale,
                   double lr, double weight_decay, double beta1, double beta2, double eps, double step_size,
@@ -433,31 +433,43 @@ void adamw_update(const at::Tensor& param, const at::Tensor& grad, const at::Ten
   const float lr_f = static_cast<float>(lr), wd = static_cast<float>(weight_decay);
   const float b1 = static_cast<float>(beta1), b2 = static_cast<float>(beta2), ep = static_cast<float>(eps);
   const float ss = static_cast<float>(step_size), bc2 = static_cast<float>(bias_correction2_sqrt);
-  float* p = param.mutable_data_ptr<float>();
-  const float* g = grad.const_data_ptr<float>();
-  float* m = exp_avg.mutable_data_ptr<float>();
-  float* v = exp_avg_sq.mutable_data_ptr<float>();
-  const at::ScalarType out_type = out.numel() > 0 ? out.scalar_type() : at::kFloat;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out_type, "adamw_update", [&] {
-    scalar_t* o = out.numel() > 0 ? out.mutable_data_ptr<scalar_t>() : nullptr;
-    at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        float pi = p[i];
-        const float gi = g[i] / s;
-        if (wd != 0.f) {
-          pi -= lr_f * wd * pi;
-        }
-        const float mi = b1 * m[i] + (1.f - b1) * gi;
-        const float vi = b2 * v[i] + (1.f - b2) * gi * gi;
-        pi -= ss * mi / (std::sqrt(vi) / bc2 + ep);
-        p[i] = pi;
-        m[i] = mi;
-        v[i] = vi;
-        if (o != nullptr) {
-          o[i] = static_cast<scalar_t>(pi);
-        }
-      }
-    });
+  float* __restrict__ p = param.mutable_data_ptr<float>();
+  const float* __restrict__ g = grad.const_data_ptr<float>();
+  float* __restrict__ m = exp_avg.mutable_data_ptr<float>();
+  float* __restrict__ v = exp_avg_sq.mutable_data_ptr<float>();
+  const float lr_wd = lr_f * wd;
+  at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
+    // ATen's CPU vectors for the body (a plain loop is not vectorised: std::sqrt may set errno), the same
+    // arithmetic element by element for the tail; the weights' cast is a second pass over the chunk just
+    // written, still in cache.
+    using Vec = at::vec::Vectorized<float>;
+    const Vec vs(s), vb1(b1), vb1c(1.f - b1), vb2(b2), vb2c(1.f - b2), vss(ss), vbc2(bc2), vep(ep), vlw(lr_wd);
+    int64_t i = begin;
+    for (; i + Vec::size() <= end; i += Vec::size()) {
+      const Vec gi = Vec::loadu(g + i) / vs;
+      const Vec mi = vb1 * Vec::loadu(m + i) + vb1c * gi;
+      const Vec vi = vb2 * Vec::loadu(v + i) + vb2c * gi * gi;
+      Vec pi = Vec::loadu(p + i);
+      pi = pi - vlw * pi;  // decoupled decay before the step, as torch's kernel
+      pi = pi - vss * mi / (vi.sqrt() / vbc2 + vep);
+      pi.store(p + i);
+      mi.store(m + i);
+      vi.store(v + i);
+    }
+    for (; i < end; ++i) {
+      const float gi = g[i] / s;
+      const float mi = b1 * m[i] + (1.f - b1) * gi;
+      const float vi = b2 * v[i] + (1.f - b2) * gi * gi;
+      float pi = p[i];
+      pi = pi - lr_wd * pi;
+      pi = pi - ss * mi / (std::sqrt(vi) / bc2 + ep);
+      p[i] = pi;
+      m[i] = mi;
+      v[i] = vi;
+    }
+    if (out.numel() > 0) {
+      out.narrow(0, begin, end - begin).copy_(param.narrow(0, begin, end - begin));
+    }
   });
 }
 
