@@ -22,6 +22,10 @@ Where the device has no fused kernel, the same lists go through torch._foreach_*
 op, unit by unit so the one temporary, the denominator, stays one unit's chunk); the choice is
 logged once. Either way the OS gradients are left divided by the clip scale (the fused kernel writes
 them back unscaled); they are dropped right after the step.
+Kernel csrc (amsp.optimizer_kernel=csrc) is csrc's amsp_fused::adamw_update, one call per run of a unit
+(a run is one decay class): the same arithmetic in one pass that reads the gradient without writing it
+back and, for units whose OS shard is their P shard (os = p) with separate bf16 weights, writes those
+weights too (FlatUnit.launch_spread then skips its cast): 30 bytes a parameter against 38.
 """
 from __future__ import annotations
 
