@@ -15,6 +15,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "adamw_update_args.h"
+
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -422,13 +424,8 @@ void adamw_update(const at::Tensor& param, const at::Tensor& grad, const at::Ten
                   const at::Tensor& exp_avg_sq, const at::Tensor& out, const std::optional<at::Tensor>& grad_scale,
                   double lr, double weight_decay, double beta1, double beta2, double eps, double step_size,
                   double bias_correction2_sqrt) {
+  amsp_csrc::check_adamw_update_args(param, grad, exp_avg, exp_avg_sq, out, grad_scale);
   const int64_t n = param.numel();
-  for (const at::Tensor* t : {&param, &grad, &exp_avg, &exp_avg_sq}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n,
-                "amsp_fused::adamw_update: param, grad and moments must be contiguous float32 tensors of one size");
-  }
-  TORCH_CHECK(out.numel() == 0 || (out.numel() == n && out.is_contiguous()),
-              "amsp_fused::adamw_update: out must be empty or a contiguous tensor of the parameter's size");
   const float s = grad_scale.has_value() ? grad_scale->item<float>() : 1.f;
   const float lr_f = static_cast<float>(lr), wd = static_cast<float>(weight_decay);
   const float b1 = static_cast<float>(beta1), b2 = static_cast<float>(beta2), ep = static_cast<float>(eps);

@@ -12,6 +12,8 @@
 #include <c10/cuda/CUDAException.h>
 #include <torch/library.h>
 
+#include "adamw_update_args.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
@@ -457,21 +459,10 @@ void adamw_update_cuda(const at::Tensor& param, const at::Tensor& grad, const at
                        const at::Tensor& exp_avg_sq, const at::Tensor& out, const std::optional<at::Tensor>& grad_scale,
                        double lr, double weight_decay, double beta1, double beta2, double eps, double step_size,
                        double bias_correction2_sqrt) {
+  amsp_csrc::check_adamw_update_args(param, grad, exp_avg, exp_avg_sq, out, grad_scale);
+  TORCH_CHECK(param.is_cuda(), "amsp_fused::adamw_update: CUDA tensors expected");
   const int64_t n = param.numel();
-  for (const at::Tensor* t : {&param, &grad, &exp_avg, &exp_avg_sq}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n && t->is_cuda(),
-                "amsp_fused::adamw_update: param, grad and moments must be contiguous float32 CUDA tensors of "
-                "one size");
-  }
-  TORCH_CHECK(out.numel() == 0 || (out.numel() == n && out.is_contiguous() && out.device() == param.device()),
-              "amsp_fused::adamw_update: out must be empty or a contiguous tensor of the parameter's size");
-  const float* scale = nullptr;
-  if (grad_scale.has_value()) {
-    TORCH_CHECK(grad_scale->numel() == 1 && grad_scale->scalar_type() == at::kFloat &&
-                grad_scale->device() == param.device(), "amsp_fused::adamw_update: grad_scale must be a float32 "
-                "scalar on the parameter's device");
-    scale = grad_scale->const_data_ptr<float>();
-  }
+  const float* scale = grad_scale.has_value() ? grad_scale->const_data_ptr<float>() : nullptr;
   if (n == 0) return;
   const AdamWArgs a{static_cast<float>(lr), static_cast<float>(weight_decay), static_cast<float>(beta1),
                     static_cast<float>(beta2), static_cast<float>(eps), static_cast<float>(step_size),

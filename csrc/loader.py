@@ -64,7 +64,7 @@ def _cpu_flags() -> list[str]:
 
 def build_key(sources: list[Path], flags: list[str]) -> str:
     h = hashlib.sha256()
-    for src in sources:
+    for src in [*sources, *sorted(CSRC_DIR.glob("*.h"))]:  # the headers the sources share, too
         h.update(src.name.encode())
         h.update(src.read_bytes())
     h.update(" ".join(flags).encode())
@@ -170,30 +170,28 @@ def cuda_build_possible() -> str | None:
     return None
 
 
-def load_cuda_extension() -> str | None:
-    """The CUDA kernels' library (after the CPU one, which defines the ops), or None with a logged reason."""
+def _load_cuda(ext: NativeExtension) -> str | None:
+    """A CUDA library of ops the CPU extension defines (so that one first), or None with a logged reason."""
     if load_extension() is None:
         return None
     why = cuda_build_possible()
     if why is not None:
-        if CUDA_EXTENSION.error is None:
-            CUDA_EXTENSION.error = why
-            log.info("csrc: CUDA kernels not built (%s)", why)
+        if ext.error is None:
+            ext.error = why
+            log.info("csrc: %s not built (%s)", ext.name, why)
         return None
-    return CUDA_EXTENSION.load()
+    return ext.load()
+
+
+def load_cuda_extension() -> str | None:
+    """The CUDA kernels' library, or None with a logged reason."""
+    return _load_cuda(CUDA_EXTENSION)
 
 
 def load_wgrad_extension() -> str | None:
-    """The cuBLAS weight-gradient GEMM's library (after the CPU one, which defines the op), or None with a
-    logged reason (no CUDA build or device, or no cuBLAS headers: then a warning names the build error)."""
-    if load_extension() is None:
-        return None
-    why = cuda_build_possible()
-    if why is not None:
-        if WGRAD_EXTENSION.error is None:
-            WGRAD_EXTENSION.error = why
-        return None
-    return WGRAD_EXTENSION.load()
+    """The cuBLAS weight-gradient GEMM's library, or None with a logged reason (no CUDA build or device; or
+    no cuBLAS headers, when a warning names the build error)."""
+    return _load_cuda(WGRAD_EXTENSION)
 
 
 def load_extension() -> str | None:

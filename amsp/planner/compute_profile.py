@@ -73,7 +73,7 @@ def device_name(device) -> str:
 _REPO = pathlib.Path(__file__).resolve().parents[2]
 # The code a timing runs, besides torch: a profile or compile choice timed with other kernels (a faster
 # CUDA kernel, another rope formulation under torch.compile) must be measured again, not read.
-TIMED_SOURCES = ("models/llama/*.py", "csrc/fused_cpu.cpp", "csrc/fused_cuda.cu", "csrc/loader.py",
+TIMED_SOURCES = ("models/llama/*.py", "csrc/fused_cpu.cpp", "csrc/fused_cuda.cu", "csrc/*.h", "csrc/loader.py",
                  "amsp/compile.py", "amsp/sharded_optim.py", "amsp/grad_accumulate.py")
 
 
