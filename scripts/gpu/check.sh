@@ -22,7 +22,9 @@
 # memory), with PREDICT_ARGS as extra overrides; "fused" runs scripts/bench/bench_fused.py --device cuda (each
 # fused op against its eager reference on the GPU: the measurement model.fused=auto has on CPU only),
 # into gpu_fused.md, with FUSED_ARGS passed on (default "--variants eager,fused --no-model"), after the
-# benchmark, which leaves it FUSED_RESERVE_S (default 150). One device call brings back at most 8 files: with
+# benchmark, which leaves it FUSED_RESERVE_S (default 150); "kernels" runs
+# scripts/bench/bench_engine_kernels.py (amsp.fuse_wgrad's GEMM and amsp.optimizer_kernel=csrc's AdamW op
+# by op, into gpu_kernels.md) after the tests. One device call brings back at most 8 files: with
 # several parts, send $OUT elsewhere and pack it, e.g.
 #     R=/tmp/res; mkdir -p $R; OUT=$R GPU_CHECK_PARTS=predict,memory,bench bash scripts/gpu/check.sh
 #     tar czf $OUT/r.tgz -C $R .
@@ -89,6 +91,12 @@ if [ -z "$TESTS_TIMEOUT" ]; then
 fi
 [[ $PARTS == *,tests,* ]] && run_part gpu_tests "$TESTS_TIMEOUT" "$PY" -m pytest -m gpu -q -rs \
   --continue-on-collection-errors -p no:cacheprovider tests
+
+# ---- 3b. the engine's opt-in GPU paths op by op (GPU_CHECK_PARTS=kernels, about a minute): the cuBLAS
+# weight-gradient GEMM (amsp.fuse_wgrad) and csrc's one-pass AdamW (amsp.optimizer_kernel=csrc) against what
+# they replace, into gpu_kernels.md
+[[ $PARTS == *,kernels,* ]] && run_part kernels "${KERNELS_TIMEOUT_S:-150}" "$PY" \
+  scripts/bench/bench_engine_kernels.py --markdown "$RESULTS/gpu_kernels.md" --json "$RESULTS/gpu_kernels.json"
 
 # ---- 4. train.py on the benchmark's shape (GPU_CHECK_PARTS=predict): the planner's recheck after 20 steps
 # logs its predicted step time and peak memory beside the measured ones (issue 15's one-GPU check); the
