@@ -219,9 +219,11 @@ def time_compute(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, dev
 
 
 def time_optimizer(device, elems: int = OPTIMIZER_ELEMS, repeats: int = 3) -> float:
-    """Seconds per element of one AdamW step on fp32 master weights, with the kernel the engine's
-    ShardedAdamW uses on this device (torch._fused_adamw_, else torch._foreach_*): a memory-bound pass
-    whose rate a preset's memory bandwidth only guesses (on CPU the ranks also share the cores)."""
+    """Seconds per element of one AdamW step on fp32 master weights, with the kernel ShardedAdamW picks by
+    default on this device (torch._fused_adamw_, else torch._foreach_*; amsp.optimizer_kernel=csrc's one
+    pass moves the same 28 bytes an element before its weight write, and is not timed apart): a
+    memory-bound pass whose rate a preset's memory bandwidth only guesses (on CPU the ranks also share
+    the cores)."""
     import torch
 
     from amsp.sharded_optim import fused_adamw_available
