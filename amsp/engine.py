@@ -263,13 +263,7 @@ class AMSPEngine:
     def _install_hooks(self) -> None:
         hook = EngineHook.factory(self)  # holds the engine weakly: amsp/engine_hooks.py says why
         self._fused_linears = 0
-        fuse = self.options.fuse_wgrad
-        if fuse and self.compute_dtype != torch.float32:  # bf16 operands into fp32 buffers: the native GEMM
-            why = wgrad_fusion.mixed_gemm_unavailable(self.device)
-            if why is not None:
-                fuse = False
-                log.warning("amsp.fuse_wgrad: the mixed-dtype weight-gradient GEMM is unavailable on %s (%s); "
-                            "weight gradients are accumulated by the parameter hooks instead", self.device, why)
+        fuse = wgrad_fusion.fusing(self.options.fuse_wgrad, self.compute_dtype, self.device)
         for i, u in enumerate(self._fwd_order):
             nxt = self._next_in_chunk(self._fwd_order, i)
             for j, mod in enumerate(u.modules):

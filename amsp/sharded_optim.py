@@ -77,11 +77,9 @@ def fused_adamw_available(device: torch.device) -> bool:
 def native_adamw_unavailable(device: torch.device) -> str | None:
     """None when amsp_fused::adamw_update serves `device` (csrc's CUDA kernels, or the CPU extension),
     else why not."""
-    from csrc.loader import CPU_EXTENSION, CUDA_EXTENSION, load_cuda_extension, load_extension
+    from csrc.loader import CUDA_EXTENSION, ops_unavailable
 
-    if torch.device(device).type == "cuda":
-        return None if load_cuda_extension() is not None else (CUDA_EXTENSION.error or CPU_EXTENSION.error)
-    return None if load_extension() is not None else CPU_EXTENSION.error
+    return ops_unavailable(device, CUDA_EXTENSION)
 
 
 def _segments(chunk: int, decay: list[tuple[int, int]]) -> list[tuple[int, bool]]:
@@ -114,9 +112,9 @@ class ShardedAdamW:
                 ("foreach", f"no fused AdamW kernel for device type {torch.device(device).type}")
         elif kernel == "fused" and not fused_adamw_available(device):
             raise RuntimeError(f"no fused AdamW kernel for device type {torch.device(device).type}")
-        elif kernel == "csrc" and native_adamw_unavailable(device) is not None:
+        elif kernel == "csrc" and (missing := native_adamw_unavailable(device)) is not None:
             raise RuntimeError(f"AdamW kernel csrc requested, but amsp_fused::adamw_update is unavailable on {device}: "
-                               f"{native_adamw_unavailable(device)}")
+                               f"{missing}")
         self.kernel = kernel
         if comm.rank == 0:
             log.info("sharded AdamW on %s: %s (%s)", device, {

@@ -20,15 +20,18 @@ where the unfused path rounds it to bf16 before adding it.
 Not for tensor-parallel (DTensor) weights, nor inside compiled blocks: dynamo cannot trace the
 engine's call in the backward (configs/validate.py and amsp/build.py refuse or skip those). Where the
 mixed-dtype GEMM cannot be built (a CUDA toolkit without cuBLAS's headers), the engine says so and keeps
-the hooks' accumulation (mixed_gemm_unavailable).
+the hooks' accumulation (fusing).
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 COMPILE_OFF_WITH_FUSION = "off with amsp.fuse_wgrad (its backward calls the engine, which dynamo cannot trace)"
 # sink(gy, x): the weight gradient gy^T @ x of one linear layer, gy (tokens, out), x (tokens, in)
@@ -38,11 +41,21 @@ Sink = Callable[[torch.Tensor, torch.Tensor], None]
 def mixed_gemm_unavailable(device: torch.device) -> str | None:
     """None when amsp_fused::wgrad_accumulate serves `device` (CUDA: the cuBLAS library built and loaded;
     CPU: the native CPU extension), else why not."""
-    from csrc.loader import CPU_EXTENSION, WGRAD_EXTENSION, load_extension, load_wgrad_extension
+    from csrc.loader import WGRAD_EXTENSION, ops_unavailable
 
-    if torch.device(device).type == "cuda":
-        return None if load_wgrad_extension() is not None else (WGRAD_EXTENSION.error or CPU_EXTENSION.error)
-    return None if load_extension() is not None else CPU_EXTENSION.error
+    return ops_unavailable(device, WGRAD_EXTENSION)
+
+
+def fusing(requested: bool, compute_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the engine routes its linear layers here: requested, and (for operands narrower than the
+    fp32 buffers) the mixed-dtype GEMM available, else a warning and the hooks' accumulation."""
+    if not requested or compute_dtype == torch.float32:
+        return requested
+    why = mixed_gemm_unavailable(device)
+    if why is not None:
+        log.warning("amsp.fuse_wgrad: the mixed-dtype weight-gradient GEMM is unavailable on %s (%s); weight "
+                    "gradients are accumulated by the parameter hooks instead", device, why)
+    return why is None
 
 
 def wgrad_into(dest: torch.Tensor, gy: torch.Tensor, x: torch.Tensor, overwrite: bool) -> None:
@@ -50,13 +63,7 @@ def wgrad_into(dest: torch.Tensor, gy: torch.Tensor, x: torch.Tensor, overwrite:
     an uninitialised buffer may hold NaNs)."""
     if gy.dtype == dest.dtype:
         dest.addmm_(gy.t(), x, beta=0.0 if overwrite else 1.0)
-    elif dest.device.type == "cpu" and mixed_gemm_unavailable(dest.device) is not None:
-        prod = torch.mm(gy.t().to(dest.dtype), x.to(dest.dtype))  # the op's arithmetic, in torch
-        if overwrite:
-            dest.copy_(prod)
-        else:
-            dest.add_(prod)
-    else:
+    else:  # the engine routes layers here only where the op serves (fusing)
         torch.ops.amsp_fused.wgrad_accumulate(x, gy, dest, overwrite)
 
 

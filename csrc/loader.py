@@ -188,10 +188,12 @@ def load_cuda_extension() -> str | None:
     return _load_cuda(CUDA_EXTENSION)
 
 
-def load_wgrad_extension() -> str | None:
-    """The cuBLAS weight-gradient GEMM's library, or None with a logged reason (no CUDA build or device; or
-    no cuBLAS headers, when a warning names the build error)."""
-    return _load_cuda(WGRAD_EXTENSION)
+def ops_unavailable(device, cuda_ext: NativeExtension) -> str | None:
+    """None when the ops serve tensors on `device` (CUDA: `cuda_ext` built and loaded, after the CPU
+    extension that defines them; CPU: the CPU extension), else why not."""
+    if torch.device(device).type != "cuda":
+        return None if load_extension() is not None else CPU_EXTENSION.error
+    return None if _load_cuda(cuda_ext) is not None else (cuda_ext.error or CPU_EXTENSION.error)
 
 
 def load_extension() -> str | None:
