@@ -262,7 +262,7 @@ class AMSPEngine:
 
     def _install_hooks(self) -> None:
         hook = EngineHook.factory(self)  # holds the engine weakly: amsp/engine_hooks.py says why
-        self._fused_linears = 0
+        self.fused_linears = 0
         fuse = wgrad_fusion.fusing(self.options.fuse_wgrad, self.compute_dtype, self.device)
         for i, u in enumerate(self._fwd_order):
             nxt = self._next_in_chunk(self._fwd_order, i)
@@ -273,7 +273,7 @@ class AMSPEngine:
                 u.param(s).register_post_accumulate_grad_hook(hook("_grad_ready", u, s))
                 if fuse and s.tp is None and wgrad_fusion.fusable(s.module, s.attr):
                     wgrad_fusion.install(s.module, hook("_fused_wgrad", u, s))
-                    self._fused_linears += 1
+                    self.fused_linears += 1
         self._bwd_next = {id(u): self._next_in_chunk(self._bwd_order, i) for i, u in enumerate(self._bwd_order)}
 
     def _log_choices(self) -> None:
@@ -286,10 +286,10 @@ class AMSPEngine:
                  on[self.options.prefetch], on[self.options.async_grad_reduce], on[self.options.overlap_spread],
                  self.options.spread_window)
         log.info("gradient accumulation into the fp32 G shards: %s", describe_accumulation(self.device))
-        if self._fused_linears:
+        if self.fused_linears:
             log.info("linear weight gradients: accumulated by their own GEMM into the gradient buffers "
                      "(amsp.fuse_wgrad): %d linear layers routed (the head's serves only an unfused loss)%s",
-                     self._fused_linears,
+                     self.fused_linears,
                      "" if self.mesh is None or self.mesh.tp == 1 else "; tensor-parallel ones keep their hooks")
         log.info("optimizer update: %s", self._updates.describe() if self.options.overlap_update
                  else "in step(), every unit at once")
@@ -332,7 +332,9 @@ class AMSPEngine:
         c = self._chunk[id(u)]
         states = self._pipeline["states"]
         if c not in states:
-            if not starting:
+            # With the weight gradients deferred (zero-bubble schedules) a chunk's backward is its weight
+            # pass, which delivers all of its gradients at once: the state starts with the first of them.
+            if not starting and not self._pipeline["deferred"]:
                 raise RuntimeError(f"AMSP: unit {u.name} got a gradient before its backward started")
             seen = self._pipeline["seen"].get(c, 0)
             if seen >= self._pipeline["expected"]:
@@ -355,6 +357,14 @@ class AMSPEngine:
         return st["waiting"][id(u)] == len(u.slots) and id(u) not in st["wgrad_started"]
 
     def _pre_backward(self, u: FlatUnit, grad_output) -> None:
+        if self._pipeline is not None and self._pipeline["deferred"]:
+            # An input-gradient pass (zero-bubble): it needs the weights, and the micro-batch's gradients
+            # come later, in its weight pass (weight_grads_ready), which starts the chunk's state.
+            u.wait_gather("backward")
+            nxt = self._bwd_next[id(u)]
+            if nxt is not None and self.options.prefetch:
+                nxt.start_gather("backward")
+            return
         st = self._state_of(u, starting=True)
         first = id(u) not in st["bwd_started"]
         st["bwd_started"].add(id(u))
@@ -459,17 +469,48 @@ class AMSPEngine:
         self._synced_last = last
         return _plain(loss.detach())
 
-    def begin_microbatches(self, num_micro: int) -> None:
+    def begin_microbatches(self, num_micro: int, deferred_weights: bool = False) -> None:
         """For a pipeline schedule that runs forwards and backwards itself: from now until
         end_microbatches(), each backward through a chunk's units is one micro-batch of that chunk, and
         its num_micro-th runs the chunk's gradient sync. The caller scales each micro-batch loss by
-        1 / (num_micro * data-parallel size)."""
+        1 / (num_micro * data-parallel size). deferred_weights: the schedule splits each backward into
+        an input-gradient pass and a later weight pass (zero-bubble schedules); a weight pass that sets
+        .grad without autograd's accumulation (so no parameter hook fires) is reported through
+        weight_grads_ready()."""
         if num_micro < 1:
             raise ValueError(f"num_micro must be >= 1, got {num_micro}")
         self._check_live()
         if self._pipeline is not None or self._accumulating:
             raise RuntimeError("AMSP: begin_microbatches() in the middle of a step")
-        self._pipeline = {"expected": num_micro, "seen": {}, "states": {}}
+        self._pipeline = {"expected": num_micro, "seen": {}, "states": {}, "deferred": deferred_weights}
+
+    def gather_for_weight_pass(self, chunk: int) -> None:
+        """Before a deferred weight pass of pipeline chunk `chunk`: its units' weights gathered (p > 1). The
+        pass is one autograd.grad over the chunk, and fused backward ops that compute the input and weight
+        gradients together (RMSNorm's) read the weights again; each unit is freed when its gradients
+        are taken, as after any backward. With p > 1 that is one more all-gather per unit and micro-batch
+        than under the other schedules, and the chunk's weights are whole at once during the pass."""
+        units = [u for u in self._bwd_order if self._chunk[id(u)] == chunk]
+        for u in units:
+            self._ensure_fresh(u)
+            u.start_gather("backward")
+        for u in units:
+            u.wait_gather("backward")
+
+    def weight_grads_ready(self, chunk: int) -> None:
+        """A deferred weight pass of pipeline chunk `chunk` left one micro-batch's gradients in .grad of
+        its parameters (torch.distributed.pipelining's stage_backward_weight assigns them): take each as
+        its post-accumulate hook would have, in backward order, so every data-parallel rank of the stage
+        issues the same collectives in the same order."""
+        if self._pipeline is None or not self._pipeline["deferred"]:
+            raise RuntimeError("AMSP: weight_grads_ready() outside begin_microbatches(deferred_weights=True)")
+        units = [u for u in self._bwd_order if self._chunk[id(u)] == chunk]
+        missing = [s.name for u in units for s in u.slots if u.param(s).grad is None]
+        if missing:
+            raise RuntimeError(f"AMSP: the weight pass of pipeline chunk {chunk} left no gradient for {missing}")
+        for u in units:
+            for s in u.slots:
+                self._grad_ready(u, s, u.param(s))
 
     def abort_microbatches(self) -> None:
         """After a failed schedule: leave pipeline mode without the checks (the failure is the news)."""

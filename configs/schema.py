@@ -228,10 +228,10 @@ class ParallelConfig:
     pp: int = 1  # pipeline stages
     sequence_parallel: bool = True  # TP: norms and residual stream split over the sequence (needs seq_len % tp == 0)
     loss_parallel: bool = True  # TP: cross-entropy on vocabulary-sharded logits (full logits never built)
-    # pipeline schedule: 1f1b | interleaved | gpipe (zero-bubble schedules split weight from input gradients,
-    # which the AMSP gradient hooks do not follow yet)
+    # pipeline schedule: 1f1b | interleaved | gpipe | zero_bubble (torch's interleaved zero-bubble, ZB1P: each
+    # backward split into an input-gradient pass and a weight pass that fills the bubbles; any virtual_stages)
     schedule: str = "1f1b"
-    virtual_stages: int = 1  # stages per rank for interleaved schedules
+    virtual_stages: int = 1  # stages per rank for interleaved schedules (interleaved: >= 2; zero_bubble: any)
     layer_split: Optional[List[int]] = None  # layers per (virtual) stage; None: balanced, embedding and head weighted
     # full activation recomputation per pipeline stage (the joint planner sets it); None: model.activation_checkpointing
     recompute_stages: Optional[List[bool]] = None

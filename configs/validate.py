@@ -117,7 +117,7 @@ RULES: tuple[Rule, ...] = (
     finite_at_least("amsp.planner.time_limit_s", 0, strict=True),
     int_at_least("parallel.tp", 1),
     int_at_least("parallel.pp", 1),
-    one_of("parallel.schedule", "1f1b", "interleaved", "gpipe"),
+    one_of("parallel.schedule", "1f1b", "interleaved", "gpipe", "zero_bubble"),
     int_at_least("parallel.virtual_stages", 1),
     Rule("parallel.layer_split", "a list of integers >= 1 (layers per stage)",
          lambda v: isinstance(v, list) and len(v) >= 1 and all(_int(x) and x >= 1 for x in v), optional=True),
@@ -224,9 +224,10 @@ def _parallel_problems(cfg: DictConfig) -> list[str]:
     elif _int(n_layers) and stages > n_layers:
         out.append(f"parallel.pp={p.pp} x parallel.virtual_stages={p.virtual_stages} is not allowed: more "
                    f"stages than model.n_layers={n_layers}")
-    if (p.virtual_stages > 1) != (p.schedule == "interleaved") and p.pp > 1:
+    if p.pp > 1 and (p.schedule == "interleaved" and p.virtual_stages < 2
+                     or p.schedule in ("1f1b", "gpipe") and p.virtual_stages > 1):
         out.append(f"parallel.virtual_stages={p.virtual_stages} is not allowed with parallel.schedule={p.schedule}: "
-                   f"the interleaved schedule needs virtual stages (>= 2), the others one")
+                   f"the interleaved schedule needs virtual stages (>= 2), zero_bubble takes any, the others one")
     if p.auto and OmegaConf.select(cfg, "amsp.plan") != "auto":
         out.append("parallel.auto=true is not allowed with a named amsp.plan: the joint planner chooses the AMSP "
                    "degrees too (set amsp.plan=auto)")
@@ -267,6 +268,9 @@ def _parallel_problems(cfg: DictConfig) -> list[str]:
     if OmegaConf.select(cfg, "amsp.fuse_wgrad") is True and p.tp > 1:
         out.append(f"amsp.fuse_wgrad=true is not allowed with parallel.tp={p.tp}: tensor-parallel weights keep "
                    f"autograd's gradients")
+    if OmegaConf.select(cfg, "amsp.fuse_wgrad") is True and p.pp > 1 and p.schedule == "zero_bubble":
+        out.append("amsp.fuse_wgrad=true is not allowed with parallel.schedule=zero_bubble: the fused GEMM runs in "
+                   "the linear's backward, which the input-gradient pass and the weight pass both run")
     flags = OmegaConf.select(p, "recompute_stages")
     if flags is not None and len(flags) != stages:
         out.append(f"parallel.recompute_stages={list(flags)} is not allowed: expected {stages} flags (pp x "

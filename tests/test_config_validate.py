@@ -54,6 +54,9 @@ def test_bad_value_is_one_line_naming_key_value_and_allowed(key, value, allowed)
 
 @pytest.mark.parametrize("overrides, words", [
     ({"parallel.pp": 2, "parallel.schedule": "1f1b", "parallel.virtual_stages": 2}, "interleaved schedule needs"),
+    ({"parallel.pp": 2, "parallel.schedule": "interleaved", "parallel.virtual_stages": 1}, "zero_bubble takes any"),
+    ({"parallel.pp": 2, "parallel.schedule": "zero_bubble", "amsp.fuse_wgrad": True},
+     "fuse_wgrad=true is not allowed with parallel.schedule=zero_bubble"),
     ({"parallel.pp": 2, "parallel.layer_split": [1, 2]}, "summing to model.n_layers"),
     ({"parallel.tp": 3}, "model.n_heads=4 is not divisible"),
     ({"parallel.tp": 2, "data.seq_len": 255}, "set parallel.sequence_parallel=false"),

@@ -13,4 +13,9 @@ def micro_batch_problem(schedule: str, num_micro: int, pp: int) -> str | None:
     if schedule == "interleaved" and num_micro % pp:
         return (f"the interleaved schedule needs the micro-batches per step ({num_micro}) to be a multiple of "
                 f"parallel.pp={pp}; change trainer.global_batch_size or micro_batch_size")
+    if schedule == "zero_bubble" and num_micro % max(1, num_micro // pp):
+        rounds = max(1, num_micro // pp)
+        return (f"the zero_bubble schedule runs the micro-batches in rounds of parallel.pp={pp} and needs their "
+                f"count per step ({num_micro}) to be a multiple of the rounds ({rounds}); change "
+                f"trainer.global_batch_size or micro_batch_size")
     return None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -34,7 +35,10 @@ log = logging.getLogger(__name__)
 # stragglers (torchtitan weights them the same way).
 EMBED_WEIGHT = 1.0
 HEAD_WEIGHT = 1.0
-SCHEDULES = ("1f1b", "interleaved", "gpipe")
+SCHEDULES = ("1f1b", "interleaved", "gpipe", "zero_bubble")
+# Schedules whose backward runs as an input-gradient pass and a later weight pass (the weight passes fill
+# the bubbles): the engine counts a chunk's micro-batch at its weight pass.
+DEFERRED_WEIGHT_SCHEDULES = ("zero_bubble",)
 
 
 def split_layers(n_layers: int, stages: int, layer_split: list[int] | None = None) -> list[list[int]]:
@@ -127,23 +131,26 @@ class PipelineRunner:
     engine; also forward-only evaluation. Every rank of the pipeline calls each method."""
 
     def __init__(self, engine, mesh, rank: int, parallel_cfg, num_micro: int, seq_len: int, micro_batch_size: int):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                                  ScheduleInterleavedZeroBubble)
 
         from ..groups import ensure_rank_groups, process_group
 
         name = str(parallel_cfg.schedule)
         if name not in SCHEDULES:
-            raise InputError(f"parallel.schedule={name!r} is not one of {'|'.join(SCHEDULES)} (zero-bubble schedules "
-                             f"split the weight gradients from the input gradients, which the AMSP gradient hooks "
-                             f"do not follow yet)")
+            raise InputError(f"parallel.schedule={name!r} is not one of {'|'.join(SCHEDULES)}")
         if mesh.pp < 2:
             raise ValueError("a pipeline runner needs parallel.pp >= 2; with one stage the engine runs the "
                              "micro-batches itself")
         v = int(parallel_cfg.virtual_stages)
-        if (v > 1) != (name == "interleaved"):
+        if name == "interleaved" and v < 2 or name in ("1f1b", "gpipe") and v != 1:
             raise InputError(f"parallel.schedule={name} with parallel.virtual_stages={v}: the interleaved schedule "
-                             f"needs virtual_stages >= 2, the others 1")
+                             f"needs virtual_stages >= 2, zero_bubble any, the others 1")
         check_micro_batches(name, num_micro, mesh.pp)
+        self.deferred = name in DEFERRED_WEIGHT_SCHEDULES
+        if self.deferred and engine.fused_linears:
+            raise InputError(f"parallel.schedule={name} with amsp.fuse_wgrad: the fused weight-gradient GEMM runs in "
+                             f"each linear's backward, which the input-gradient and the weight pass both run")
         self.engine, self.mesh, self.num_micro = engine, mesh, num_micro
         ensure_rank_groups(mesh.pp_groups())  # collective: every rank creates every pipeline group
         group = process_group(mesh.pp_ranks(rank))
@@ -154,9 +161,14 @@ class PipelineRunner:
         self.last = stages - 1 in mine
         self.modules = [StageModule(engine.model, layers[s], s == 0, s == stages - 1, seq_len) for s in mine]
         shapes = _boundary_shapes(engine, mesh, parallel_cfg, seq_len, micro_batch_size)
-        self.stages = [PipelineStage(mod, s, stages, engine.device, group=group,
-                                     input_args=shapes(s == 0, False), output_args=shapes(False, s == stages - 1))
+        stage_cls = _stage_class(PipelineStage)
+        self.stages = [stage_cls(mod, s, stages, engine.device, group=group, input_args=shapes(s == 0, False),
+                                 output_args=shapes(False, s == stages - 1))
                        for mod, s in zip(self.modules, mine)]
+        if self.deferred:
+            for chunk, st in enumerate(self.stages):
+                st.amsp_before_weights = partial(engine.gather_for_weight_pass, chunk)
+                st.amsp_weights_ready = partial(engine.weight_grads_ready, chunk)
         scale = 1.0 / (num_micro * mesh.dp)  # each micro-batch mean, so the sum is the global batch mean
         last_module = self.modules[-1]
 
@@ -169,8 +181,9 @@ class PipelineRunner:
 
         self.scale = scale
         kinds = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
-        if name == "interleaved":
-            self.schedule = ScheduleInterleaved1F1B(self.stages, num_micro, loss_fn=loss_fn, scale_grads=False)
+        multi = {"interleaved": ScheduleInterleaved1F1B, "zero_bubble": ScheduleInterleavedZeroBubble}
+        if name in multi:  # schedules over a list of stages per rank
+            self.schedule = multi[name](self.stages, num_micro, loss_fn=loss_fn, scale_grads=False)
         else:
             self.schedule = kinds[name](self.stages[0], num_micro, loss_fn=loss_fn, scale_grads=False)
         if rank == 0:
@@ -199,7 +212,7 @@ class PipelineRunner:
     def train_step(self, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> tuple[float, int]:
         """All micro-batches of one step: returns (sum of micro-batch mean losses, micro-batches) on the
         last stage's ranks, (0.0, 0) elsewhere. The optimizer step is the caller's engine.step()."""
-        self.engine.begin_microbatches(self.num_micro)
+        self.engine.begin_microbatches(self.num_micro, deferred_weights=self.deferred)
         try:
             out = self._run(self.schedule.step, xs, ys)
         except BaseException:
@@ -234,6 +247,27 @@ class PipelineRunner:
                 t, c = self.evaluate([x for x, _ in group], [y for _, y in group])
                 total, count, group = total + t, count + c, []
         return total, count
+
+
+def _stage_class(base: type) -> type:
+    """PipelineStage that tells the AMSP engine when a deferred weight pass has assigned its gradients.
+    torch's stage_backward_weight computes every weight gradient of the stage with one autograd.grad and
+    sets .grad itself, so no post-accumulate hook fires; the first stage's weight pass is a full backward
+    (its input needs no gradient) whose hooks do fire. (A subclass made here, not at import: the pipelining
+    module loads only when a pipeline is built.)"""
+
+    class AMSPPipelineStage(base):
+        amsp_before_weights = amsp_weights_ready = None
+
+        def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
+            assigned = self.amsp_weights_ready is not None and self.has_backward and self.stage_index != 0
+            if assigned:
+                self.amsp_before_weights()
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+            if assigned:
+                self.amsp_weights_ready()
+
+    return AMSPPipelineStage
 
 
 def _boundary_shapes(engine, mesh, parallel_cfg, seq_len: int, micro_batch_size: int):

@@ -191,7 +191,7 @@ def build_ours(cfg: LlamaConfig, device: torch.device, dtype_name: str, compiled
             extra[name] = _switch_value(default, compiled)
     denv = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, launcher="single")
     engine = engine_from_config(amsp_cfg, optim_cfg, dtype_name, cfg, denv, device, seed, **extra)
-    if fuse_wgrad and not engine._fused_linears:
+    if fuse_wgrad and not engine.fused_linears:
         raise VariantSkipped("amsp.fuse_wgrad could not be applied here (the engine's warning in the log says why)")
     if compiled and not blocks_compiled(engine.model):
         if switch is not None:

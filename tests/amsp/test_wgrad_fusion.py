@@ -48,7 +48,7 @@ def test_one_engine_trains_as_the_unfused_one():
     to bf16's precision, not bit for bit."""
     for precision, tol in (("fp32", 1e-6), ("bf16", 2e-2)):
         plain, fused = _engine(precision, False), _engine(precision, True)
-        assert fused._fused_linears == 2 * 7 + 1  # two blocks' seven projections and the head's
+        assert fused.fused_linears == 2 * 7 + 1  # two blocks' seven projections and the head's
         for step in range(4):
             for m in range(C.MICRO):
                 losses = [e.forward_backward(*C.micro_batch(step, m, 0), m, C.MICRO).item() for e in (plain, fused)]

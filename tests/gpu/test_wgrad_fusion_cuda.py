@@ -49,7 +49,7 @@ def test_an_engine_trains_as_the_unfused_one_on_the_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     plain, fused = _engine(False, Degrees(1, 1, 1)), _engine(True, Degrees(1, 1, 1))
-    assert fused._fused_linears > 0
+    assert fused.fused_linears > 0
     vocab = plain.cfg.vocab_size
     for step in range(3):
         for m in range(2):

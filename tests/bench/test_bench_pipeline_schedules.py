@@ -1,0 +1,19 @@
+"""scripts/bench/bench_pipeline_schedules.py runs train.py under each schedule it is given and reports them
+side by side; through train.py, zero bubble's losses equal 1F1B's (the same arithmetic in another order)."""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_small_run_reports_both_schedules_with_equal_losses(tmp_path):
+    md = tmp_path / "s.md"
+    proc = subprocess.run([sys.executable, "scripts/bench/bench_pipeline_schedules.py", "--rounds", "1", "--steps", "3",
+                           "--dim", "128", "--layers", "2", "--seq", "64", "--markdown", str(md)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line.split("|") for line in md.read_text().splitlines()
+            if line.startswith("| 1f1b") or line.startswith("| zero_bubble")}
+    assert set(rows) == {"1f1b", "zero_bubble"}, md.read_text()
+    assert float(rows["zero_bubble"][3]) > 0 and float(rows["zero_bubble"][-2]) <= 1e-5, rows
