@@ -190,6 +190,7 @@ LAYOUTS_8 = [  # the issue's acceptance shape: 8 ranks, 20 steps, AMSP plans oth
     {"tp": 2, "pp": 1, "schedule": "1f1b", "layers": 4, "blocks": (4, 4, 4), "steps": 20},  # TP x DP (zero3)
     {"pp": 2, "schedule": "1f1b", "layers": 4, "blocks": (2, 4, 4), "steps": 20},  # PP x DP
     {"tp": 2, "pp": 2, "schedule": "1f1b", "layers": 4, "blocks": (1, 2, 2), "steps": 20},  # TP x PP x DP (zero2)
+    {"tp": 2, "pp": 2, "schedule": "zero_bubble", "layers": 4, "blocks": (2, 2, 2), "steps": 20},  # the same, ZB1P, zero3
 ]
 # Each layout twice: with AdamW's eps at 1e-6 and at the default 1e-8. Below eps an element's update is
 # lr * g / eps, so a gradient that is itself a cancellation of much larger terms (2e-9 here) carries its
@@ -201,7 +202,7 @@ EIGHT_RANK_CASES = [{**c, "eps": eps} for eps in (1e-6, 1e-8) for c in LAYOUTS_8
 PARAM_TOLERANCE = {1e-6: 1e-5, 1e-8: 3e-5}
 
 
-@pytest.mark.slow  # 8 spawned ranks on a small machine: about two and a half minutes
+@pytest.mark.slow  # 8 spawned ranks on a small machine: about three minutes
 def test_eight_ranks_tp_pp_dp_20_steps_equal_single_process():
     results = run_distributed(_run, 8, EIGHT_RANK_CASES, timeout=900)
     keys = ("loss_err", "norm_err", "param_err", "abs_err")
@@ -209,7 +210,8 @@ def test_eight_ranks_tp_pp_dp_20_steps_equal_single_process():
               "per_param_err": per_parameter_error([rank[i]["param_parts"] for rank in results])}
              for i in range(len(EIGHT_RANK_CASES))]
     for case, w in zip(EIGHT_RANK_CASES, worst):
-        print(f"8 ranks, 20 steps, tp {case.get('tp', 1)} pp {case['pp']} eps {case['eps']:g}, worst over ranks:",
+        print(f"8 ranks, 20 steps, tp {case.get('tp', 1)} pp {case['pp']} {case['schedule']} eps {case['eps']:g}, "
+              f"worst over ranks:",
               {k: f"{v:.2g}" for k, v in w.items()})
     for case, w in zip(EIGHT_RANK_CASES, worst):
         # Losses within 1e-5 (measured: about 1e-7). Parameters, relative per whole parameter
