@@ -38,10 +38,14 @@ def oom_reason(exc: BaseException) -> str | None:
 
 def planner_inputs(cfg, denv, device, cluster=None, options=None):
     """(Workload, ClusterSpec, Options) the planner prices this run's plans with; `cluster` and
-    `options` are the ones the startup planner used (probe and compute profile applied) when given."""
-    from amsp.planner.from_config import cluster_spec, options_from_config, workload_from_config
+    `options` are the ones the startup planner used (probe and compute profile applied) when given.
+    Under the run's parallel.tp / pp (and pipeline schedule), as the startup planner prices them: the
+    raw config's amsp.planner.tp / pp are 1, which priced a pipelined run's recheck as the whole model
+    on every rank (predicted 3.06 s and 1.07 GiB for a pp 2 run that the startup had priced 5.01 s)."""
+    from amsp.planner.from_config import cluster_spec, options_from_config, with_model_parallel, workload_from_config
     from amsp.planner.startup import kernels_for_run, ranks_per_node
 
+    cfg = with_model_parallel(cfg, what_if=False)
     if cluster is None:
         r = ranks_per_node(cfg, denv.local_world_size)
         cluster = cluster_spec(cfg, nodes=max(1, denv.world_size // r), ranks_per_node=r,

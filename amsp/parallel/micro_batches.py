@@ -4,6 +4,8 @@ anything is built (amsp/parallel/pipeline.check_micro_batches). Importing the pi
 rule cost the planner 1.6 s of torch import."""
 from __future__ import annotations
 
+SCHEDULES = ("1f1b", "interleaved", "gpipe", "zero_bubble")  # parallel.schedule (amsp/parallel/pipeline.py)
+
 
 def micro_batch_problem(schedule: str, num_micro: int, pp: int) -> str | None:
     """Why `schedule` cannot run `num_micro` micro-batches a step over `pp` stages, or None when it can."""

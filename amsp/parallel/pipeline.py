@@ -25,7 +25,7 @@ from models.llama.model import lm_loss
 from ..engine import to_device
 from ..errors import InputError
 from ..routing_check import data_plane
-from .micro_batches import micro_batch_problem
+from .micro_batches import SCHEDULES, micro_batch_problem
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 # stragglers (torchtitan weights them the same way).
 EMBED_WEIGHT = 1.0
 HEAD_WEIGHT = 1.0
-SCHEDULES = ("1f1b", "interleaved", "gpipe", "zero_bubble")
 # Schedules whose backward runs as an input-gradient pass and a later weight pass (the weight passes fill
 # the bubbles): the engine counts a chunk's micro-batch at its weight pass.
 DEFERRED_WEIGHT_SCHEDULES = ("zero_bubble",)

@@ -95,7 +95,17 @@ def workload_from_config(cfg: DictConfig, cluster: ClusterSpec, kernels: Kernels
                     micro_batches=micro_batches(cfg, dp_world),
                     precision=_precision(cfg, cluster),
                     recompute=model.activation_checkpointing, tp=p.tp, pp=p.pp, kernels=kernels,
-                    sequence_parallel=bool(OmegaConf.select(cfg, "parallel.sequence_parallel", default=True)))
+                    sequence_parallel=bool(OmegaConf.select(cfg, "parallel.sequence_parallel", default=True)),
+                    **pipeline_schedule(cfg, p.pp))
+
+
+def pipeline_schedule(cfg: DictConfig, pp: int) -> dict:
+    """The schedule a pipelined run names (parallel.schedule / virtual_stages), for the planner's bubble
+    and in-flight activations; without a pipeline the defaults."""
+    if pp < 2:
+        return {}
+    return {"schedule": str(OmegaConf.select(cfg, "parallel.schedule", default="1f1b")),
+            "virtual_stages": int(OmegaConf.select(cfg, "parallel.virtual_stages", default=1))}
 
 
 def host_memory_bytes() -> int:

@@ -161,6 +161,11 @@ def refit(workload: Workload, cluster: ClusterSpec, options: Options, plan, meas
         compute_scale = _bisect_log(lambda s: predicted_compute_s(priced(s, comm_scale)), target_compute)
         if comm_exposed_s(priced(compute_scale, 1.0)) <= floor and target_comm <= floor:
             comm_scale = 1.0  # (nearly) everything hidden on both sides: no information on the links
+        elif comm_exposed_s(priced(compute_scale, _SCALE_RANGE[1])) <= floor:
+            # The plan's collectives leave nothing exposed even on links 1000x slower (a data-parallel group
+            # of one: a pipeline of pp ranks): the waits measured are not theirs, so they say nothing of the
+            # links. Before, the scale ran to its clamp and the recheck deleted a good probe cache.
+            comm_scale = 1.0
         else:
             comm_scale = _bisect_log(lambda c: comm_exposed_s(priced(compute_scale, c)), target_comm)
     return Refit(compute_scale, comm_scale, memory_scale(prior, measured))

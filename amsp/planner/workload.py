@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from amsp.parallel.micro_batches import SCHEDULES
 from amsp.schedule import Precision, Unit
 from models.llama.config import LlamaConfig
 from models.llama.fused_ops import ALL_OPS, AUTO_OPS, CHUNK_LOGITS
@@ -105,6 +106,10 @@ class Workload:
     # one stage of a pipeline priced on its own (the joint planner's per-stage workloads have pp = 1):
     # its loss runs in the pipeline's loss function and its blocks are not compiled, as with pp > 1
     pipeline_stage: bool = False
+    # the pipeline schedule a hand-named pp > 1 runs (parallel.schedule / parallel.virtual_stages): its
+    # bubble and how many micro-batches' activations a stage holds (the joint planner prices 1F1B)
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE_MODES:
@@ -113,6 +118,9 @@ class Workload:
             raise ValueError("micro_batches, micro_batch_size and seq_len must be positive")
         if self.model.n_layers % self.pp:
             raise ValueError(f"pipeline degree pp={self.pp} must divide n_layers={self.model.n_layers}")
+        if self.schedule not in SCHEDULES or self.virtual_stages < 1:
+            raise ValueError(f"pipeline schedule {self.schedule!r} x {self.virtual_stages} virtual stages: expected "
+                             f"one of {SCHEDULES} and >= 1")
 
     @property
     def run_kernels(self) -> Kernels:
@@ -223,8 +231,28 @@ class Workload:
         return per_mb * self.micro_batches
 
     def pipeline_bubble(self) -> float:
-        """1F1B bubble as a fraction of the compute time: (pp - 1) / micro-batches."""
-        return (self.pp - 1) / self.micro_batches
+        """The schedule's bubble as a fraction of the compute time. 1F1B and GPipe: (pp - 1) / micro-batches;
+        interleaved over v virtual stages: 1/v of that (Narayanan et al. 2021); zero bubble (ZB1P, weight
+        passes filling the bubble, Qi et al. 2024): (pp - 1) (T_F + T_B - T_W) / (v m (T_F + T_B + T_W))
+        with the backward's input and weight halves equal, i.e. the forward's share of the 1F1B bubble.
+        Not priced: the zero-bubble weight pass's own cost (torch reruns the backward nodes between a
+        weight and the hidden state's path); on CPU it left zero bubble 7% (v = 1) and 3% (v = 2) slower
+        than this (BENCHMARKS.md, pipeline schedules)."""
+        one_f_one_b = (self.pp - 1) / self.micro_batches
+        if self.schedule == "interleaved":
+            return one_f_one_b / self.virtual_stages
+        if self.schedule == "zero_bubble":
+            fwd = self.block_forward_flops()
+            return one_f_one_b * fwd / (fwd + self.block_backward_flops()) / self.virtual_stages
+        return one_f_one_b
+
+    def micro_batches_in_flight(self) -> int:
+        """Micro-batches whose activations the first stage holds at once: 1F1B (and zero bubble, whose
+        extra hold of pending weight passes is not priced) pp of them, GPipe every one (all forwards run
+        before the first backward)."""
+        if self.schedule == "gpipe":
+            return self.micro_batches
+        return min(self.pp, self.micro_batches)
 
     # ---- activations ----
     @property
@@ -344,7 +372,7 @@ class Workload:
         """What is alive when the embedding's gradient arrives, the last of a micro-batch's backward:
         the other micro-batches in flight (1F1B keeps pp of them on the first stage) and the pipeline's
         buffers; with pp = 1 nothing of the activations."""
-        in_flight = min(self.pp, self.micro_batches)
+        in_flight = self.micro_batches_in_flight()
         per_mb = self.layers * self.layer_activation_bytes() + self.head_activation_bytes()
         return (in_flight - 1) * per_mb + self.pipeline_buffer_bytes()
 
@@ -352,7 +380,7 @@ class Workload:
         """Peak activation bytes on one rank: stored layers of the in-flight micro-batches, the
         head, and under recomputation one layer's full set while it is recomputed; with pp > 1 the
         pipeline's receive buffers (a middle stage's)."""
-        in_flight = min(self.pp, self.micro_batches)  # 1F1B: the first stage holds pp micro-batches
+        in_flight = self.micro_batches_in_flight()
         stored = self.layers * in_flight * self.layer_activation_bytes()
         transient = self.layer_activation_bytes("none") if self.recompute != "none" else 0.0
         return stored + transient + self.head_activation_bytes() + self.pipeline_buffer_bytes()

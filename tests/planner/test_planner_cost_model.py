@@ -270,3 +270,39 @@ def test_spread_window_memory_term():
     assert m3[i, i] - m1[i, i] == pytest.approx(2 * one["spread"], rel=1e-12)
     with pytest.raises(ValueError, match="spread_window"):
         Options(spread_window=0)
+
+
+def test_pipeline_schedules_bubble_and_activations_in_flight():
+    """A hand-named pipeline is priced under its schedule: interleaving divides 1F1B's bubble by the
+    virtual stages; zero bubble leaves the forward's share of it (ZB1P with equal input and weight
+    halves of the backward: a third); GPipe has 1F1B's bubble but holds every micro-batch's activations."""
+    from amsp.planner.workload import Workload
+    from amsp.schedule import Precision
+
+    cfg = get_preset("debug").with_overrides(n_layers=4)
+
+    def w(schedule, v=1, micro=8, recompute="none"):
+        return Workload(cfg, 64, 2, micro, Precision.named("fp32"), recompute=recompute, pp=2, schedule=schedule,
+                        virtual_stages=v)
+
+    base = w("1f1b").pipeline_bubble()
+    assert base == pytest.approx(1 / 8)
+    assert w("interleaved", 2).pipeline_bubble() == pytest.approx(base / 2)
+    assert w("zero_bubble").pipeline_bubble() == pytest.approx(base / 3)
+    assert w("zero_bubble", 2).pipeline_bubble() == pytest.approx(base / 6)
+    assert w("zero_bubble", recompute="full").pipeline_bubble() == pytest.approx(base / 4)  # bwd re-runs fwd
+    assert w("gpipe").pipeline_bubble() == base
+    per_mb = w("1f1b").layers * w("1f1b").layer_activation_bytes()
+    assert w("gpipe").micro_batches_in_flight() == 8 and w("1f1b").micro_batches_in_flight() == 2
+    assert w("gpipe").activation_bytes() - w("1f1b").activation_bytes() == pytest.approx(6 * per_mb)
+    with pytest.raises(ValueError, match="pipeline schedule 'zb'"):
+        w("zb")
+
+
+def test_train_config_names_the_schedule_to_the_planner():
+    from amsp.planner.__main__ import compose_config
+    from amsp.planner.from_config import pipeline_schedule
+
+    cfg = compose_config(["parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2"])
+    assert pipeline_schedule(cfg, 2) == {"schedule": "interleaved", "virtual_stages": 2}
+    assert pipeline_schedule(cfg, 1) == {}

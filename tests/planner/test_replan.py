@@ -146,3 +146,30 @@ def test_the_allocator_margin_is_raised_to_the_overhead_a_run_held_never_lowered
     cpu = rp.Measured(prior.step_time_s, 0.0, peak_bytes=1.1 * tensors, steps=10)  # no held: the peak itself
     assert rp.refit(W, c, Options(), plan, cpu).memory_scale == pytest.approx(1.1)
     assert rp.refit(W, c, Options(), plan, rp.Measured(1.0, 0.0, 0.0, 10)).memory_scale == 1.0  # nothing measured
+
+
+def test_waits_the_plans_collectives_cannot_make_leave_the_links_alone():
+    """A plan with no collective to expose (a data-parallel group of one rank: each stage of a pipeline
+    whose ranks all hold different stages) cannot explain measured waits at any link speed: the refit
+    keeps the links (it ran the scale to its 1000x clamp, and the recheck deleted the probe cache)."""
+    c = flat_cluster(1, 1, intra_gbps=10.0, latency_us=20.0, peak_tflops=1.0)
+    plan = make_plan("ddp", 1, 1)
+    cost = CostModel(W, c, Options()).evaluate(plan)
+    m = rp.Measured(step_s=cost.step_time_s + 0.05, exposed_comm_s=0.05, peak_bytes=0.0, steps=10)
+    fit = rp.refit(W, c, Options(), plan, m)
+    assert fit.comm_scale == 1.0
+    assert fit.compute_scale == pytest.approx(1.0, rel=1e-3)
+
+
+def test_the_recheck_prices_the_run_under_its_model_parallel_layout():
+    """planner_inputs (the recheck's and the out-of-memory message's workload) under parallel.tp / pp and the
+    pipeline schedule, as the startup planner prices them; it priced a pp 2 run as the whole model on
+    every rank."""
+    from types import SimpleNamespace
+
+    from amsp.planner.__main__ import compose_config
+    from amsp.startup_memory import planner_inputs
+
+    cfg = compose_config(["model=debug", "model.n_layers=4", "parallel.pp=2", "parallel.schedule=gpipe"])
+    w, _, _ = planner_inputs(cfg, SimpleNamespace(world_size=4, local_world_size=4, rank=0), "cpu")
+    assert (w.pp, w.tp, w.schedule, w.micro_batches_in_flight()) == (2, 1, "gpipe", w.micro_batches)
