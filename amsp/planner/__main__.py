@@ -92,7 +92,7 @@ def inputs_json(cfg, w, cluster, options, model: CostModel) -> dict:
     workload = {"model": dataclasses.asdict(w.model), "seq_len": w.seq_len, "micro_batch_size": w.micro_batch_size,
                 "micro_batches": w.micro_batches, "precision": precision_name(cfg, cluster),
                 "param_bytes": w.precision.param_bytes, "grad_bytes": w.precision.grad_bytes,
-                "recompute": w.recompute, "tp": w.tp, "pp": w.pp, "params_per_replica": w.params_per_rank(),
+                "recompute": w.recompute, "tp": w.tp, "pp": w.pp, "params_per_rank": w.params_per_rank(),
                 "kernels": kernels_json(w.run_kernels)}
     opts = dataclasses.asdict(options)
     return {"workload": workload, "cluster": cluster_json(cluster), "options": opts,
@@ -160,7 +160,7 @@ def _run(mode: str, args) -> int:
         return 0
     w = workload_from_config(cfg, cluster)
     model = CostModel(w, cluster, options)
-    out(f"model {cfg.model.name}: {w.params_per_rank() / 1e9:.2f}B parameters per replica, seq_len {w.seq_len}, "
+    out(f"model {cfg.model.name}: {w.params_per_rank() / 1e9:.2f}B parameters per rank, seq_len {w.seq_len}, "
         f"{w.micro_batches} micro-batch(es) of {w.micro_batch_size} per rank, {precision_name(cfg, cluster)}, "
         f"recomputation {w.recompute}, tp {w.tp}, pp {w.pp}; compute from {model.compute_source}")
     out(f"{w.run_kernels.describe()} (assumed here; train.py's startup asks its device)")

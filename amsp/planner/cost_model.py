@@ -275,7 +275,8 @@ class CostModel:
                     raise ValueError(f"compute profile ({prof.source}): {name}={getattr(prof, name)} must be >= 0")
             self.F = prof.block_forward_s
             self.B = prof.block_backward_s + (prof.block_forward_s if w.recompute == "full" else 0.0)
-            self.edge_s = prof.head_forward_backward_s + prof.embedding_s
+            # a pipelined rank is priced as its slowest stage, the head's (Workload.unit_roles)
+            self.edge_s = prof.head_forward_backward_s + (prof.embedding_s if w.pp == 1 else 0.0)
             self.opt_s_per_elem = prof.optimizer_s_per_elem
             self.compute_source = prof.source
         if w.recompute == "selective":
@@ -316,6 +317,8 @@ class CostModel:
         two_blocks = ("block", "block") if self.w.layers >= 2 else ("block",)
         if "head" not in self._numel:
             return [("embedding",) + two_blocks]
+        if "embedding" not in self._numel:  # a pipelined rank, priced as the head's stage (Workload.unit_roles)
+            return [("block", "head")] + ([two_blocks] if self.w.layers >= 2 else [])
         return [("embedding", "block"), ("block", "head")] + ([two_blocks] if self.w.layers >= 2 else [])
 
     def grad_bucket_bytes(self, role: str, deg: Degrees) -> int:

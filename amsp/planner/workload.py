@@ -178,12 +178,18 @@ class Workload:
 
     def unit_roles(self) -> list[tuple[Unit, str]]:
         """The flat units of one rank in forward order (named as the engine names them), each with
-        its role for the cost model: embedding (first), block, head (last)."""
+        its role for the cost model: embedding (first), block, head (last). A rank of a pipeline (pp > 1)
+        is priced as its worst stage: n_layers / pp blocks and the head, which is the embedding's table
+        and the final norm (the first stage holds the embedding instead; tied embeddings cannot be
+        pipelined). Pricing both, as before, put a vocabulary table's weights, gradients and optimizer
+        states on every rank: +43.5% on a pp 2 run's peak (BENCHMARKS.md, pipeline schedules)."""
         blocks = [(Unit(f"layers.{i}", "blocks", self.block_numel), "block") for i in range(self.layers)]
         if self.model.tie_embeddings:
             return [(Unit("embed_head", "embed_head", self.embedding_numel + self.head_numel), "embedding")] + blocks
-        return ([(Unit("tok_embeddings", "embed_head", self.embedding_numel), "embedding")] + blocks
-                + [(Unit("head", "embed_head", self.head_numel), "head")])
+        head = [(Unit("head", "embed_head", self.head_numel), "head")]
+        if self.pp > 1:
+            return blocks + head
+        return [(Unit("tok_embeddings", "embed_head", self.embedding_numel), "embedding")] + blocks + head
 
     def units(self) -> list[Unit]:
         return [u for u, _ in self.unit_roles()]
@@ -205,7 +211,8 @@ class Workload:
         return -(-full // self.tp)
 
     def params_per_rank(self) -> int:
-        return self.embedding_numel + self.layers * self.block_numel + self.head_numel
+        """Parameters of the units one rank holds (unit_roles: a pipelined rank's worst stage)."""
+        return sum(u.numel for u in self.units())
 
     # ---- compute (FLOPs per micro-batch, the models/llama/flops.py convention) ----
     @property
@@ -247,8 +254,8 @@ class Workload:
         return one_f_one_b
 
     def micro_batches_in_flight(self) -> int:
-        """Micro-batches whose activations the first stage holds at once: 1F1B (and zero bubble, whose
-        extra hold of pending weight passes is not priced) pp of them, GPipe every one (all forwards run
+        """Micro-batches whose activations the first stage holds at once: 1F1B (and zero bubble, plus its
+        pending weight pass: pending_weight_pass_bytes) pp of them, GPipe every one (all forwards run
         before the first backward)."""
         if self.schedule == "gpipe":
             return self.micro_batches
@@ -383,4 +390,18 @@ class Workload:
         in_flight = self.micro_batches_in_flight()
         stored = self.layers * in_flight * self.layer_activation_bytes()
         transient = self.layer_activation_bytes("none") if self.recompute != "none" else 0.0
-        return stored + transient + self.head_activation_bytes() + self.pipeline_buffer_bytes()
+        # the head's stage runs each micro-batch's backward right after its forward, except under GPipe,
+        # whose last stage keeps every micro-batch's logits until the backwards start
+        heads = self.micro_batches if self.pp > 1 and self.schedule == "gpipe" else 1
+        return (stored + transient + heads * self.head_activation_bytes() + self.pipeline_buffer_bytes()
+                + self.pending_weight_pass_bytes())
+
+    def pending_weight_pass_bytes(self) -> float:
+        """Zero bubble: torch's input-gradient pass keeps the micro-batch's graph (retain_graph) until its
+        weight pass, so a stage holds one more micro-batch than under 1F1B, a chunk of it with virtual
+        stages (1/v of the layers; the head's on its chunk). Measured on the CPU bench (pp 2, 4 micro-batches
+        of 512 tokens): +195 MiB on the largest rank against 1F1B, where this prices 189 (one micro-batch of
+        4 layers and the head); +81 with two virtual stages, priced 95 (BENCHMARKS.md, pipeline schedules)."""
+        if self.pp < 2 or self.schedule != "zero_bubble":
+            return 0.0
+        return (self.layers * self.layer_activation_bytes() + self.head_activation_bytes()) / self.virtual_stages
