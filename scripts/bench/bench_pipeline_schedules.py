@@ -11,8 +11,13 @@ The default shape gives every rank of 2 its own core (pp 2, dp 1) and 4 micro-ba
 1F1B idles each stage for one forward and one backward of the other per step, (pp - 1) / (m + pp - 1)
 = 20% of it; zero bubble fills that with weight passes.
 
+--recheck N runs each schedule once with the AMSP planner's plan (amsp.plan=auto) and its recheck after N
+steps instead, and tabulates the planner's startup prediction of the step and the tensor peak against what
+the recheck measured (RUN_DIR/replan.json): how well the planner prices a hand-named pipeline's schedule.
+
     python scripts/bench/bench_pipeline_schedules.py                                  # 1f1b vs zero_bubble
     python scripts/bench/bench_pipeline_schedules.py --schedules 1f1b,zero_bubble,interleaved:2 --rounds 3
+    python scripts/bench/bench_pipeline_schedules.py --recheck 6 --schedules 1f1b,gpipe,interleaved:2,zero_bubble
 """
 from __future__ import annotations
 
@@ -37,15 +42,18 @@ def model_args(a) -> list[str]:
 
 def run_schedule(a, spec: str, workdir: str, round_no: int) -> dict:
     """train.py under one schedule ("name" or "name:virtual_stages"): median step seconds after the first
-    two steps, per-step losses, the largest rank's peak RSS."""
+    two steps, per-step losses, the largest rank's peak RSS (with --recheck: the planner's prediction and
+    what its recheck measured)."""
     name, _, v = spec.partition(":")
     run_name = f"{name}{v}_r{round_no}"
     dp = a.ranks // a.pp
+    plan = ["amsp.plan=auto", f"amsp.planner.recheck_steps={a.recheck}"] if a.recheck else \
+        ["amsp.plan=ddp", "amsp.planner.recheck_steps=0"]
     args = [*model_args(a), f"parallel.pp={a.pp}", f"parallel.schedule={name}",
-            f"parallel.virtual_stages={v or 1}", "amsp.plan=ddp", f"trainer.micro_batch_size={a.mbs}",
+            f"parallel.virtual_stages={v or 1}", *plan, f"trainer.micro_batch_size={a.mbs}",
             f"trainer.global_batch_size={a.micro * a.mbs * dp}", f"trainer.max_steps={a.steps}",
             "trainer.log_interval=1", "trainer.val_samples=0", "trainer.checkpoint_interval=0",
-            "logging.wandb.mode=disabled", "logging.plot=false", "amsp.planner.recheck_steps=0",
+            "logging.wandb.mode=disabled", "logging.plot=false",
             f"trainer.output_dir={workdir}", f"trainer.run_name={run_name}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.ranks}",
            "train.py", *args]
@@ -54,8 +62,27 @@ def run_schedule(a, spec: str, workdir: str, round_no: int) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"{spec} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
     recs = [json.loads(x) for x in open(os.path.join(workdir, run_name, "metrics.jsonl"))]
-    return {"step_s": statistics.median(r["step_time_s"] for r in recs if r["step"] > 2),
-            "losses": [r["loss"] for r in recs], "peak_mib": max(r["memory_peak_bytes"] or 0 for r in recs) / MIB}
+    out = {"step_s": statistics.median(r["step_time_s"] for r in recs if r["step"] > 2),
+           "losses": [r["loss"] for r in recs], "peak_mib": max(r["memory_peak_bytes"] or 0 for r in recs) / MIB}
+    if a.recheck:
+        rec = json.load(open(os.path.join(workdir, run_name, "replan.json")))[0]
+        prior = rec["predicted_prior"]
+        out["recheck"] = {"predicted_step_s": prior["step_time_s"], "measured_step_s": rec["measured"]["step_s"],
+                          "predicted_gib": (prior["memory_total"] - prior["memory_bytes"].get("reserved", 0)) / 2**30,
+                          "measured_gib": rec["measured"]["peak_bytes"] / 2**30}
+    return out
+
+
+def recheck_table(got: dict) -> list[str]:
+    """Per schedule: the planner's predicted step and tensor peak against the recheck's measurements."""
+    lines = ["| schedule | predicted step s | measured step s | error | predicted tensors GiB | measured peak GiB "
+             "| error |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for s, runs in got.items():
+        r = runs[0]["recheck"]
+        lines.append(f"| {s} | {r['predicted_step_s']:.3f} | {r['measured_step_s']:.3f} | "
+                     f"{r['predicted_step_s'] / r['measured_step_s'] - 1:+.1%} | {r['predicted_gib']:.3f} | "
+                     f"{r['measured_gib']:.3f} | {r['predicted_gib'] / r['measured_gib'] - 1:+.1%} |")
+    return lines
 
 
 def main() -> int:
@@ -70,8 +97,13 @@ def main() -> int:
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--recheck", type=int, default=0, metavar="N",
+                    help="one run per schedule under amsp.plan=auto, the planner's prediction against its recheck "
+                         "after N steps")
     ap.add_argument("--markdown", help="append the table to this file")
     a = ap.parse_args()
+    if a.recheck:
+        a.rounds, a.steps = 1, max(a.steps, a.recheck + 2)
     if a.ranks % a.pp:
         raise SystemExit(f"--ranks {a.ranks} is not a multiple of --pp {a.pp}")
     specs = a.schedules.split(",")
@@ -88,20 +120,25 @@ def main() -> int:
     ref_losses = got[specs[0]][0]["losses"]
     lines = [f"`python scripts/bench/bench_pipeline_schedules.py --schedules {a.schedules} --ranks {a.ranks} "
              f"--pp {a.pp} --micro {a.micro} --mbs {a.mbs} --steps {a.steps} --rounds {a.rounds} --dim {a.dim} "
-             f"--layers {a.layers} --seq {a.seq}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-             f"{time.time() - t0:.0f} s)", "",
-             "| schedule | step s per round | median step s | vs first | peak RSS MiB (largest rank) | "
-             "max rel. loss difference vs first |", "|---|---|---:|---:|---:|---:|"]
+             f"--layers {a.layers} --seq {a.seq}{f' --recheck {a.recheck}' if a.recheck else ''}` "
+             f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {time.time() - t0:.0f} s)", ""]
+    if a.recheck:
+        return emit("\n".join(lines + recheck_table(got)), a.markdown)
+    lines += ["| schedule | step s per round | median step s | vs first | peak RSS MiB (largest rank) | "
+              "max rel. loss difference vs first |", "|---|---|---:|---:|---:|---:|"]
     for s in specs:
         steps = [x["step_s"] for x in got[s]]
         med = statistics.median(steps)
         diff = max(abs(x - y) / abs(y) for run in got[s] for x, y in zip(run["losses"], ref_losses))
         lines.append(f"| {s} | {' / '.join(f'{x:.3f}' for x in steps)} | {med:.3f} | {med / base:.3f} | "
                      f"{max(x['peak_mib'] for x in got[s]):.0f} | {diff:.1e} |")
-    text = "\n".join(lines)
+    return emit("\n".join(lines), a.markdown)
+
+
+def emit(text: str, markdown: str | None) -> int:
     print(text)
-    if a.markdown:
-        with open(a.markdown, "a") as f:
+    if markdown:
+        with open(markdown, "a") as f:
             f.write(text + "\n")
     return 0
 

@@ -17,3 +17,14 @@ def test_small_run_reports_both_schedules_with_equal_losses(tmp_path):
             if line.startswith("| 1f1b") or line.startswith("| zero_bubble")}
     assert set(rows) == {"1f1b", "zero_bubble"}, md.read_text()
     assert float(rows["zero_bubble"][3]) > 0 and float(rows["zero_bubble"][-2]) <= 1e-5, rows
+
+
+def test_recheck_mode_tabulates_the_planners_prediction_against_the_run(tmp_path):
+    md = tmp_path / "r.md"
+    proc = subprocess.run([sys.executable, "scripts/bench/bench_pipeline_schedules.py", "--recheck", "2", "--schedules",
+                           "gpipe", "--dim", "128", "--layers", "2", "--seq", "64", "--markdown", str(md)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    row = next(line.split("|") for line in md.read_text().splitlines() if line.startswith("| gpipe"))
+    predicted_step, measured_step, predicted_gib, measured_gib = (float(row[i]) for i in (2, 3, 5, 6))
+    assert min(predicted_step, measured_step, predicted_gib, measured_gib) > 0, row
