@@ -490,7 +490,7 @@ class AMSPEngine:
         gradients together (RMSNorm's) read the weights again; each unit is freed when its gradients
         are taken, as after any backward. With p > 1 that is one more all-gather per unit and micro-batch
         than under the other schedules, and the chunk's weights are whole at once during the pass."""
-        units = [u for u in self._bwd_order if self._chunk[id(u)] == chunk]
+        units = self._chunk_units_backward(chunk)
         for u in units:
             self._ensure_fresh(u)
             u.start_gather("backward")
@@ -504,13 +504,16 @@ class AMSPEngine:
         issues the same collectives in the same order."""
         if self._pipeline is None or not self._pipeline["deferred"]:
             raise RuntimeError("AMSP: weight_grads_ready() outside begin_microbatches(deferred_weights=True)")
-        units = [u for u in self._bwd_order if self._chunk[id(u)] == chunk]
+        units = self._chunk_units_backward(chunk)
         missing = [s.name for u in units for s in u.slots if u.param(s).grad is None]
         if missing:
             raise RuntimeError(f"AMSP: the weight pass of pipeline chunk {chunk} left no gradient for {missing}")
         for u in units:
             for s in u.slots:
                 self._grad_ready(u, s, u.param(s))
+
+    def _chunk_units_backward(self, chunk: int) -> list[FlatUnit]:
+        return [u for u in self._bwd_order if self._chunk[id(u)] == chunk]
 
     def abort_microbatches(self) -> None:
         """After a failed schedule: leave pipeline mode without the checks (the failure is the news)."""
