@@ -207,8 +207,7 @@ class FlatUnit:
             param.grad = None
             return
         if first:
-            self._flat, self._flat_filled = None, 0
-            self._wgrad_taken.clear()
+            self._begin_backward()
         grad = param.grad if s.tp is None else _local_grad(param.grad, s.tp)
         if self.deg.g == 1:
             accumulate(self.g_shard[s.offset:s.offset + s.numel], grad, self._g_stale, self._native_acc)
@@ -219,14 +218,18 @@ class FlatUnit:
             self._flat_filled += 1
         param.grad = None
 
+    def _begin_backward(self) -> None:
+        """The unit's first gradient of a backward: what an interrupted one left is dropped."""
+        self._flat, self._flat_filled = None, 0
+        self._wgrad_taken.clear()
+
     def fused_wgrad(self, s: ParamSlot, gy: torch.Tensor, x: torch.Tensor, first: bool) -> None:
         """A linear layer's weight gradient gy^T @ x computed straight into where take_grad would have put
         it (amsp/wgrad_fusion.py): the G shard with g = 1 (written over on the step's first micro-batch,
         else added), else the unit's reduce-scatter buffer. Its parameter hook follows and only drops
         autograd's placeholder. `first`: as take_grad's."""
         if first:
-            self._flat, self._flat_filled = None, 0
-            self._wgrad_taken.clear()
+            self._begin_backward()
         if self.deg.g == 1:
             dest, overwrite = self.g_shard[s.offset:s.offset + s.numel], self._g_stale
         else:
