@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
+from amsp.parallel.micro_batches import SCHEDULES, virtual_stages_problem
+
 # What trainer.allow_resume_changes may name (data/resume_check.py acts on them).
 RESUME_CHANGES = ("seq_len", "tokenizer", "data")
 
@@ -117,7 +119,7 @@ RULES: tuple[Rule, ...] = (
     finite_at_least("amsp.planner.time_limit_s", 0, strict=True),
     int_at_least("parallel.tp", 1),
     int_at_least("parallel.pp", 1),
-    one_of("parallel.schedule", "1f1b", "interleaved", "gpipe", "zero_bubble"),
+    one_of("parallel.schedule", *SCHEDULES),
     int_at_least("parallel.virtual_stages", 1),
     Rule("parallel.layer_split", "a list of integers >= 1 (layers per stage)",
          lambda v: isinstance(v, list) and len(v) >= 1 and all(_int(x) and x >= 1 for x in v), optional=True),
@@ -224,10 +226,8 @@ def _parallel_problems(cfg: DictConfig) -> list[str]:
     elif _int(n_layers) and stages > n_layers:
         out.append(f"parallel.pp={p.pp} x parallel.virtual_stages={p.virtual_stages} is not allowed: more "
                    f"stages than model.n_layers={n_layers}")
-    if p.pp > 1 and (p.schedule == "interleaved" and p.virtual_stages < 2
-                     or p.schedule in ("1f1b", "gpipe") and p.virtual_stages > 1):
-        out.append(f"parallel.virtual_stages={p.virtual_stages} is not allowed with parallel.schedule={p.schedule}: "
-                   f"the interleaved schedule needs virtual stages (>= 2), zero_bubble takes any, the others one")
+    if p.pp > 1 and (problem := virtual_stages_problem(p.schedule, p.virtual_stages)) is not None:
+        out.append(problem)
     if p.auto and OmegaConf.select(cfg, "amsp.plan") != "auto":
         out.append("parallel.auto=true is not allowed with a named amsp.plan: the joint planner chooses the AMSP "
                    "degrees too (set amsp.plan=auto)")

@@ -25,7 +25,7 @@ from models.llama.model import lm_loss
 from ..engine import to_device
 from ..errors import InputError
 from ..routing_check import data_plane
-from .micro_batches import SCHEDULES, micro_batch_problem
+from .micro_batches import SCHEDULES, micro_batch_problem, virtual_stages_problem
 
 log = logging.getLogger(__name__)
 
@@ -142,9 +142,8 @@ class PipelineRunner:
             raise ValueError("a pipeline runner needs parallel.pp >= 2; with one stage the engine runs the "
                              "micro-batches itself")
         v = int(parallel_cfg.virtual_stages)
-        if name == "interleaved" and v < 2 or name in ("1f1b", "gpipe") and v != 1:
-            raise InputError(f"parallel.schedule={name} with parallel.virtual_stages={v}: the interleaved schedule "
-                             f"needs virtual_stages >= 2, zero_bubble any, the others 1")
+        if (problem := virtual_stages_problem(name, v)) is not None:
+            raise InputError(problem)
         check_micro_batches(name, num_micro, mesh.pp)
         self.deferred = name in DEFERRED_WEIGHT_SCHEDULES
         if self.deferred and engine.fused_linears:
