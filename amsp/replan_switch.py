@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 from amsp import control
 from amsp.metrics.memory import anon_peak_bytes, anon_rss_bytes
 from amsp.planner import replan as rp
+from amsp.planner.allocator import margin_for
 
 log = logging.getLogger(__name__)
 _GIB = 2**30
@@ -181,7 +182,7 @@ class Replanner:
                  rp.comm_exposed_s(prior), measured.peak_bytes / _GIB,
                  (prior.memory_total - prior.memory.get("reserved", 0)) / _GIB, _pct(err_m),
                  self._allocator_note(measured), fit.compute_scale,
-                 fit.comm_scale, 100 * options.memory_margin, 100 * options2.memory_margin)
+                 fit.comm_scale, 100 * margin_for(options.memory_margin, cluster.device), 100 * options2.memory_margin)
         removed, removed_probe = _forget_stale_caches(options, cluster, fit)
         log.info("planner recheck: %s; refitted prediction %.4f s for %s, %.4f s for %s -> %s", why,
                  current.step_time_s, current.plan, best.step_time_s, best.plan,

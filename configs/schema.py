@@ -137,7 +137,10 @@ class PlannerConfig:
     measure_compute: bool = True
     cache_dir: Optional[str] = None  # None: $AMSP_CACHE_DIR/probe (default ~/.cache/amsp/probe)
     mfu: float = 0.45  # assumed hardware FLOP utilisation of the compute (recomputation counted)
-    memory_margin: float = 0.08  # allocator reserve: fragmentation, as a fraction of the peak tensor bytes
+    # what the allocator holds beyond the live tensors, as a fraction of the peak tensor bytes; None: the
+    # run's allocator's (amsp/planner/allocator.py: 8% for CUDA's caching allocator, 0 for glibc set to
+    # return freed blocks, 8% for glibc's defaults), logged at startup
+    memory_margin: Optional[float] = None
     reserved_gib: float = 1.0  # runtime outside the allocator: CUDA context, workspaces, kernels
     # cap on model states (params + grads + optimizer states) per rank besides the device fit; None: none
     state_budget_gib: Optional[float] = None

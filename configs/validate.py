@@ -107,7 +107,7 @@ RULES: tuple[Rule, ...] = (
     *(int_at_least(f"amsp.{k}", 1, optional=True)
       for k in ("p", "g", "os", "embed_head_p", "embed_head_g", "embed_head_os")),
     finite_at_least("amsp.planner.mfu", 0, strict=True),
-    Rule("amsp.planner.memory_margin", "a finite number in [0, 1)", lambda v: _number(v) and 0 <= v < 1),
+    Rule("amsp.planner.memory_margin", "a finite number in [0, 1)", lambda v: _number(v) and 0 <= v < 1, True),
     finite_at_least("amsp.planner.reserved_gib", 0),
     int_at_least("amsp.planner.tp", 1),
     int_at_least("amsp.planner.pp", 1),

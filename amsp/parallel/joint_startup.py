@@ -69,6 +69,7 @@ def _plan(cfg, denv, device, run_dir, mixed, r, points, profiles: dict, tp_times
 
     from configs.schema import to_llama_config
 
+    from ..planner.allocator import describe_margin
     from ..planner.from_config import cluster_spec, on_device, planner_config, precision_name
     from ..planner.joint.hetero import from_spec
     from ..planner.joint.search import format_joint, plan_joint
@@ -99,7 +100,9 @@ def _plan(cfg, denv, device, run_dir, mixed, r, points, profiles: dict, tp_times
                        spread_window=int(cfg.amsp.spread_window), optimizer_s_per_elem=jc.optimizer_s_per_elem or None,
                        kernels=kernels, sequence_parallel=bool(cfg.parallel.sequence_parallel),
                        overlap_update=bool(cfg.amsp.overlap_update))
-    text = f"joint planner (compute: {'; '.join(sources)}; {kernels.describe()})\n" + format_joint(plans, cluster)
+    margin = describe_margin(p.memory_margin, cluster.groups[0].spec.device)
+    text = (f"joint planner (compute: {'; '.join(sources)}; {kernels.describe()}; {margin})\n"
+            + format_joint(plans, cluster))
     log.info("%s", text)
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -56,9 +56,13 @@ buffers when g > 1, one parameter's autograd gradient when g = 1; or, where larg
 backward's transient on the last stage, which runs before any gradient exists); the optimizer step adds the OS-shard
 gradients held from the sync to the update (grad_sync), when the activations are gone; the
 parameter spread's window joins forward/backward when it overlaps the next forward
-(Options.overlap_spread), else the step (evaluate() books the overlap as a negative step_reuse). On top, an explicit
+(Options.overlap_spread), else it follows the update, which has freed the OS-shard gradients, so the
+step phase is the larger of the two (evaluate() books both reuses as a negative step_reuse). A unit
+whose gradient reduce-scatter is in flight while the next unit fills also holds the collective's
+output (its G-shard slice) and, on CPU, gloo's own copy of the input (grad_inflight_bytes). On top, an explicit
 reserve: Options.reserved_bytes for the runtime outside the allocator (CUDA context, kernels) plus
-Options.memory_margin times the tensor peak for the allocator's fragmentation. The spread window: at most
+Options.memory_margin times the tensor peak for what the allocator holds beyond the live tensors (None:
+the device's allocator's figure, amsp/planner/allocator.py). The spread window: at most
 Options.spread_window units (capped at the number of units) have a spread in flight, each holding a
 received S/p buffer in the compute dtype plus, when the master is a tensor of its own, its OS chunk
 cast to the compute dtype (fp32 weights are the master: no cast); units with os = p gather nothing
@@ -73,6 +77,7 @@ from dataclasses import dataclass, field
 from amsp.plan import Degrees, Plan, UNIT_GROUPS, enumerate_degrees
 from amsp.schedule import Unit, padded_numel
 
+from .allocator import margin_for
 from .cluster import ClusterSpec
 from .comm_time import collective_seconds
 from .compute_profile import ComputeProfile
@@ -85,6 +90,42 @@ ADAM_BYTES_PER_ELEM = 28  # read grad+master+m+v, write master+m+v (fp32); plus 
 # embedding's and first block's (exposed by design), so the 16.9 ms hidden cost 16.0 (0.95). cuBLAS's
 # matmul kernels occupy every SM, so the update's memory-bound kernels mostly run between them.
 UPDATE_HIDDEN_COST = 0.95
+
+
+def collectives_stage_copies(device: str) -> bool:
+    """gloo, the engine's CPU backend, runs a collective in buffers of its own: a reduce-scatter holds a
+    copy of its input until the caller's wait, an all-gather a copy of its output at the wait. NCCL
+    (CUDA) works in the caller's tensors. Measured on 4 gloo ranks (torch 2.13, a 94 MiB fp32 input,
+    glibc returning freed blocks): reduce_scatter_tensor +94 MiB from its launch until its handle is
+    released, its output's pages at the wait; all_reduce nothing."""
+    return device == "cpu"
+
+
+def reduce_scatter_inflight_bytes(numel: float, deg: Degrees, grad_bytes: int, param_bytes: int,
+                                  staged: bool) -> float:
+    """What a unit of `numel` (padded) elements holds beyond its flat gradient bucket while its gradient
+    reduce-scatter (g > 1) is in flight beside the next unit filling: the output, its G-shard slice
+    (added into the G shard at the wait: amsp.flat_unit finish_grad_reduce), and where collectives
+    stage copies (gloo) the input's copy. With p > 1 the unit's gathered weights were freed after its
+    backward while the gathered-pair term still counts a pair of units, so the copy adds only what it
+    exceeds them by. Traced on 4 gloo ranks (102M parameters, fp32, 1/4/4): the peak is the last block
+    filling while the head's reduce-scatter is in flight, +94 MiB of gloo's copy and +24 of output."""
+    if deg.g == 1:
+        return 0.0
+    out = numel / deg.g * grad_bytes
+    if not staged:
+        return out
+    gathered = numel * param_bytes if deg.p > 1 else 0.0
+    return out + max(0.0, numel * grad_bytes - gathered)
+
+
+def event_bytes(roles: tuple[str, ...], filler: str, credit, take, buckets, fills, inflight):
+    """Bytes of one gradient-bucket event (CostModel.bucket_events): the held units' buckets, the filling
+    unit's gradient in copy and what the in-flight unit's reduce-scatter holds beyond its bucket (the
+    roles after the filler), less the credit. `take(role, table)` reads a role's entry of a table: a
+    number, a candidate axis (exhaustive.grid) or a solver expression (ilp)."""
+    return (sum(take(r, buckets) for r in roles) + take(filler, fills)
+            + sum(take(r, inflight) for r in roles[1:]) - credit)
 
 
 def overlapped_update_exposed(waits: float, later: list[float], window: float) -> float:
@@ -103,7 +144,7 @@ class Options:
     mfu: float = 0.45
     # allocator reserve: fragmentation of the caching allocator, as a fraction of the peak tensor bytes
     # (PyTorch's CUDA allocator reserves ~5-10% over what it hands out; glibc's mmap'd blocks ~0)
-    memory_margin: float = 0.08
+    memory_margin: float | None = None  # None: the cluster device's allocator's (planner/allocator.py)
     reserved_bytes: int = 1 << 30  # runtime outside the allocator: CUDA context, kernels, workspaces
     overlap_spread: bool = True
     spread_window: int = 2  # units whose parameter spread may be in flight at once (the engine's)
@@ -128,7 +169,7 @@ class Options:
     def __post_init__(self) -> None:
         if not 0 < self.mfu <= 1:
             raise ValueError(f"assumed MFU must be in (0, 1], got {self.mfu}")
-        if not 0 <= self.memory_margin < 1:
+        if self.memory_margin is not None and not 0 <= self.memory_margin < 1:
             raise ValueError(f"memory margin must be in [0, 1), got {self.memory_margin}")
         if self.granularity not in ("unit", "tensor"):
             raise ValueError(f"collective granularity {self.granularity!r} is not 'unit' or 'tensor'")
@@ -214,6 +255,7 @@ class GroupCost:
     spread_bytes: dict  # role -> bytes one unit's in-flight parameter spread holds (0 when os = p)
     bucket_bytes: dict  # role -> bytes one unit's gradients hold on their way to the G shard
     fill_bytes: dict  # role -> bytes of the autograd gradient in copy while that unit's buffer fills
+    inflight_bytes: dict  # role -> bytes a unit's reduce-scatter holds beyond its bucket while in flight
     parts: dict = field(default_factory=dict)  # params / grads / optim / grad_sync bytes
     exposed_by_phase: dict = field(default_factory=dict)
     sync_bytes: int = 0  # grad_sync: held at the optimizer step only (not in state_bytes)
@@ -245,6 +287,7 @@ class CostModel:
                              f"{self.dp_per_node} data-parallel ranks")
         self._set_compute(options.compute)
         self.overlap_slowdown = overlap_slowdown_of(options, cluster)[0]
+        self.memory_margin = margin_for(options.memory_margin, cluster.device)
         self._pb = workload.precision.param_bytes
         self._optim_b = workload.precision.optim_bytes
         self._master_is_weights = workload.precision.master_is_weights
@@ -305,11 +348,11 @@ class CostModel:
     def memory_budget(self) -> float:
         """Tensor bytes a rank may peak at: the device less the runtime's reserve, less the allocator's
         reserve on top of the tensors (tensors * (1 + margin) + runtime <= device)."""
-        return (self.c.device_memory_bytes - self.o.reserved_bytes) / (1 + self.o.memory_margin)
+        return (self.c.device_memory_bytes - self.o.reserved_bytes) / (1 + self.memory_margin)
 
     def reserve_bytes(self, tensor_peak: float) -> float:
         """The explicit reserve a plan's tensor peak needs on top: runtime plus allocator fragmentation."""
-        return self.o.reserved_bytes + self.o.memory_margin * tensor_peak
+        return self.o.reserved_bytes + self.memory_margin * tensor_peak
 
     def buffer_pairs(self) -> list[tuple[str, ...]]:
         """Unit roles gathered at the same time (current + prefetched next, in forward order). A tied
@@ -341,6 +384,20 @@ class CostModel:
             return working
         return self.w.largest_param_numel(role) * self._pb + working
 
+    @property
+    def collectives_stage_copies(self) -> bool:
+        return collectives_stage_copies(self.c.device)
+
+    def grad_inflight_bytes(self, role: str, deg: Degrees) -> float:
+        """What a unit's gradient reduce-scatter (g > 1) holds beyond its flat bucket while in flight,
+        beside the next unit filling (the second role of a bucket event): the output, the unit's G-shard
+        slice in the gradient dtype (added into the G shard at the wait, amsp.flat_unit
+        finish_grad_reduce), and under gloo the input's copy. With p > 1 the unit's gathered weights
+        were freed after its backward, while the gathered pair term still counts a pair of units in
+        forward order: the copy adds only what it exceeds them by."""
+        return reduce_scatter_inflight_bytes(padded_numel(self._numel[role], deg), deg, self._gb, self._pb,
+                                             self.collectives_stage_copies)
+
     def bucket_events(self) -> list[tuple[tuple[str, ...], str, float]]:
         """(units whose gradient buckets are held, the unit filling, bytes credited) where the buckets
         peak: a unit filling while the unit after it in forward order (before it in the backward) is in
@@ -367,12 +424,14 @@ class CostModel:
             offsets = [off + self.w.activations_freed_before(pair) for pair, off in zip(pairs, offsets)]
         return offsets
 
-    def peak_grad_buckets(self, buckets: dict, fills: dict) -> float:
+    def peak_grad_buckets(self, buckets: dict, fills: dict, inflight: dict) -> float:
         """The bucket term beside the full activations: the largest of the bucket events (held buckets
-        plus the filling unit's gradient in copy, the embedding's pair less its offset), or on the last
+        plus the filling unit's gradient in copy and what the in-flight unit's reduce-scatter holds
+        beyond its bucket, the embedding's pair less its offset), or on the last
         stage the unfused loss backward's transient where larger (it runs before any parameter gradient
         exists)."""
-        events = [sum(buckets[r] for r in roles) + fills[filler] - off for roles, filler, off in self.bucket_events()]
+        events = [event_bytes(roles, filler, off, lambda r, table: table[r], buckets, fills, inflight)
+                  for roles, filler, off in self.bucket_events()]
         return max(max(events), self.w.loss_backward_transient_bytes())
 
     def constant_memory(self) -> dict:
@@ -513,7 +572,7 @@ class CostModel:
 
     def group_cost(self, group: str, deg: Degrees) -> GroupCost:
         exposed, parts, by_phase, gathered = 0.0, dict.fromkeys(STATE_PARTS, 0), {}, {}
-        spread, buckets, fills = {}, {}, {}
+        spread, buckets, fills, inflight = {}, {}, {}, {}
         comm = 0.0
         for role, count in self.roles_of(group):
             comm += count * sum(x.seconds * x.count for x in self._role_collectives(role, deg).values())
@@ -526,8 +585,9 @@ class CostModel:
             spread[role] = self.spread_bytes(role, deg)
             buckets[role] = self.grad_bucket_bytes(role, deg)
             fills[role] = self.grad_fill_bytes(role, deg)
+            inflight[role] = self.grad_inflight_bytes(role, deg)
         resident = sum(v for k, v in parts.items() if k != "grad_sync")
-        return GroupCost(exposed, comm, resident, gathered, spread, buckets, fills, parts, by_phase,
+        return GroupCost(exposed, comm, resident, gathered, spread, buckets, fills, inflight, parts, by_phase,
                          parts["grad_sync"])
 
     def peak_gathered(self, gathered: dict) -> int:
@@ -541,7 +601,7 @@ class CostModel:
         collectives: list[Priced] = []
         exposed = {}
         parts = dict.fromkeys(STATE_PARTS, 0)
-        gathered, buckets, fills = {}, {}, {}
+        gathered, buckets, fills, inflight = {}, {}, {}, {}
         spread = 0
         for unit, role in self.w.unit_roles():
             deg = plan.for_group(unit.group)
@@ -553,20 +613,23 @@ class CostModel:
             gathered[role] = self.gathered_bytes(role, deg)
             buckets[role] = self.grad_bucket_bytes(role, deg)
             fills[role] = self.grad_fill_bytes(role, deg)
+            inflight[role] = self.grad_inflight_bytes(role, deg)
             spread = max(spread, self.spread_bytes(role, deg))
         collectives += self.grad_norm()
         memory = dict(parts)
         memory["gathered"] = self.peak_gathered(gathered)
         memory["spread"] = self.spread_window * spread
-        memory["buckets"] = self.peak_grad_buckets(buckets, fills)
+        memory["buckets"] = self.peak_grad_buckets(buckets, fills, inflight)
         memory.update(self.constant_memory())
         # The peak is the larger of two phases, not the sum of everything: forward/backward holds the
         # activations, gathered units and gradient buckets; the optimizer step holds the OS-shard
-        # gradients (grad_sync) after they are freed. step_reuse (<= 0) books that reuse.
-        # The spread's buffers are in flight in the next forward when it overlaps it, else after the update.
+        # gradients (grad_sync) after they are freed. The spread's buffers are in flight in the next
+        # forward when it overlaps it, else after the update, which has freed the OS-shard gradients.
+        # step_reuse (<= 0) books both reuses, so the parts add up to the peak.
         spread_fb, spread_step = (memory["spread"], 0) if self.o.overlap_spread else (0, memory["spread"])
         transients = memory["gathered"] + memory["activations"] + memory["buckets"] + spread_fb
-        memory["step_reuse"] = -min(transients, memory["grad_sync"] + spread_step)
+        step = max(memory["grad_sync"], spread_step)
+        memory["step_reuse"] = max(transients, step) - transients - memory["grad_sync"] - spread_step
         memory["reserved"] = self.reserve_bytes(sum(memory.values()))
         exposed["grad_norm"] = sum(x.seconds * x.count for x in self.grad_norm())
         return PlanCost(plan=plan, compute_s=self.compute_s(), exposed_s=exposed, memory=memory,

@@ -11,6 +11,7 @@ import numpy as np
 
 from amsp.plan import Plan
 
+from .cost_model import event_bytes
 from .terms import GroupTerms
 
 
@@ -30,18 +31,20 @@ def grid(t: GroupTerms) -> tuple[np.ndarray, np.ndarray]:
         term = sum(_role_axis(t, r) for r in pair)
         gathered = term if gathered is None else np.maximum(gathered, term)
     for roles, filler, offset in t.bucket_events:
-        held = sum(_role_axis(t, r, t.buckets) for r in roles) + _role_axis(t, filler, t.fills)
-        buckets = np.maximum(buckets, held - offset)
+        held = event_bytes(roles, filler, offset, lambda r, table: _role_axis(t, r, table), t.buckets, t.fills,
+                           t.inflight)
+        buckets = np.maximum(buckets, held)
     spread = None
     for role in t.spread:
         term = _role_axis(t, role, t.spread)
         spread = term if spread is None else np.maximum(spread, term)
-    # the larger phase: forward/backward transients or the optimizer step's OS-shard gradients
+    # the larger phase: forward/backward transients, or the optimizer step's OS-shard gradients, or the
+    # spread that follows the update (which freed them)
     step = t.sync_bytes[0][:, None] + t.sync_bytes[1][None, :]
     spread = t.spread_window * spread  # in the phase where the spread is in flight
     fb = t.constant_bytes + gathered + buckets + (spread if t.spread_in_forward else 0)
     memory = t.state_bytes[0][:, None] + t.state_bytes[1][None, :] + np.maximum(
-        fb, step + (0 if t.spread_in_forward else spread))
+        fb, np.maximum(step, 0 if t.spread_in_forward else spread))
     return time, memory
 
 

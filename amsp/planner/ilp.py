@@ -4,16 +4,18 @@ Variables: x[g, c] binary, one per unit group g (blocks, embed_head) and valid t
 (amsp.plan.enumerate_degrees is the pre-filter for the ordering, divisibility and fill-a-node rules),
 with sum_c x[g, c] = 1; a continuous z >= the bytes of every pair of simultaneously gathered units
 (current + prefetched next), which linearises that max exactly, a continuous u >= every bucket event
-(a unit's gradient bucket filling, its gradient in copy, the next unit's bucket in flight; the
+(a unit's gradient bucket filling, its gradient in copy, the next unit's bucket in flight with what
+its reduce-scatter holds beyond it; the
 embedding's pair less its offset: it arrives after the activations are gone) and >= the loss
 backward's transient (bucket_floor), and a continuous y >=
 every role's in-flight spread bytes (the largest unit's spread, times the window W).
-Memory (every rank holds the same shards), the peak of two phases, each within the budget:
+Memory (every rank holds the same shards), the peak of the phases, each within the budget:
     forward/backward: sum_{g,c} x[g,c] * state_bytes[g,c] + z + u + activations [+ W * y] <= budget
-    optimizer step:   sum_{g,c} x[g,c] * (state_bytes[g,c] + sync_bytes[g,c]) [+ W * y] <= budget
+    optimizer step:   sum_{g,c} x[g,c] * (state_bytes[g,c] + sync_bytes[g,c]) <= budget
+    spread:           sum_{g,c} x[g,c] * state_bytes[g,c] + W * y <= budget
 and, when a model-state budget is given (Options.state_budget_bytes), sum x * state_bytes <= it.
 with the spread window W * y in the forward/backward phase when the spread overlaps the next
-forward, else in the step's.
+forward, else in a phase of its own after the update (which freed the OS-shard gradients).
 Objective: the cost model's step time, constant + sum_{g,c} x[g,c] * exposed_s[g,c]. The cost model
 makes exposure a sum of per-unit terms on fixed compute windows (cost_model.py), so this linear
 objective IS the predicted step time and the exhaustive search optimises the same function.
@@ -30,6 +32,7 @@ import pulp
 
 from amsp.plan import Plan, UNIT_GROUPS
 
+from .cost_model import event_bytes
 from .exhaustive import Choice
 from .terms import GroupTerms
 
@@ -69,15 +72,19 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
     for n, pair in enumerate(t.pairs):
         prob += z >= pulp.lpSum(role_expr(r, t.gathered) for r in pair), f"gathered_set_{n}"
     for n, (roles, filler, offset) in enumerate(t.bucket_events):
-        prob += (u >= pulp.lpSum(role_expr(r, t.buckets) for r in roles) + role_expr(filler, t.fills) - offset / GIB,
-                 f"grad_buckets_{n}")
+        prob += u >= event_bytes(roles, filler, offset / GIB, role_expr, t.buckets, t.fills, t.inflight), \
+            f"grad_buckets_{n}"
     for role in t.spread:
         prob += y >= role_expr(role, t.spread), f"spread_{role}"
     fwd_spread, step_spread = (t.spread_window * y, 0) if t.spread_in_forward else (0, t.spread_window * y)
     prob += (pulp.lpSum(x[k] * (t.state_bytes[k] / GIB) for k in x) + z + u + fwd_spread <= budget,
              "memory_per_rank")
-    prob += (pulp.lpSum(x[k] * ((t.state_bytes[k] + t.sync_bytes[k]) / GIB) for k in x) + step_spread
+    # the step phase: the OS-shard gradients, then (spread after the update) the spread that follows
+    prob += (pulp.lpSum(x[k] * ((t.state_bytes[k] + t.sync_bytes[k]) / GIB) for k in x)
              <= t.budget_bytes / GIB, "memory_at_step")
+    if not t.spread_in_forward:
+        prob += (pulp.lpSum(x[k] * (t.state_bytes[k] / GIB) for k in x) + step_spread <= t.budget_bytes / GIB,
+                 "memory_at_spread")
     if state_budget < float("inf"):
         prob += pulp.lpSum(x[k] * (t.state_bytes[k] / GIB) for k in x) <= state_budget, "model_state_budget"
     prob += pulp.lpSum(x[k] * (t.exposed_s[k] * 1e3) for k in x)
@@ -106,12 +113,12 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
     def at(role, per_role):
         return per_role[role][chosen[t.role_group[role]]]
 
-    buckets = max([t.bucket_floor] + [sum(at(r, t.buckets) for r in roles) + at(filler, t.fills) - offset
+    buckets = max([t.bucket_floor] + [event_bytes(roles, filler, offset, at, t.buckets, t.fills, t.inflight)
                                       for roles, filler, offset in t.bucket_events])
     spread = t.spread_window * max(t.spread[r][chosen[t.role_group[r]]] for r in t.spread)
     fwd_spread, step_spread = (spread, 0) if t.spread_in_forward else (0, spread)
     memory = (t.state_bytes[0, i] + t.state_bytes[1, j]
               + max(t.constant_bytes + gathered + buckets + fwd_spread,
-                    t.sync_bytes[0, i] + t.sync_bytes[1, j] + step_spread))
+                    t.sync_bytes[0, i] + t.sync_bytes[1, j], step_spread))
     plan = Plan(blocks=t.candidates[i], embed_head=t.candidates[j], name="auto")
     return Choice(plan, float(step), float(memory)), elapsed

@@ -30,6 +30,7 @@ import math
 import statistics
 from dataclasses import dataclass, replace
 
+from .allocator import margin_for
 from .cluster import AlphaBeta, BandwidthCurve, ClusterSpec
 from .cost_model import CostModel, Options
 from .report import PlanCost
@@ -105,7 +106,8 @@ def refitted_inputs(cluster: ClusterSpec, options: Options, refit: Refit) -> tup
     measured profile's seconds (the AdamW rate included) when there is one, else the peak FLOP/s, and in
     both cases the memory bandwidth; communication through the cluster."""
     s = refit.compute_scale
-    options = replace(options, memory_margin=refitted_margin(options.memory_margin, refit.memory_scale))
+    margin = margin_for(options.memory_margin, cluster.device)
+    options = replace(options, memory_margin=refitted_margin(margin, refit.memory_scale))
     if options.compute is not None:
         p = options.compute
         opt = None if p.optimizer_s_per_elem is None else p.optimizer_s_per_elem * s

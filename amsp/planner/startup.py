@@ -24,6 +24,7 @@ from amsp.topology import Topology
 from .from_config import (cluster_spec, cpu_shared_cores, machine_ranks, options_from_config, planner_config,
                           with_model_parallel, workload_from_config)
 from .compute_profile import ComputeProfile, measure_profile
+from .allocator import describe_margin
 from .cost_model import overlap_slowdown_of
 from .probe import apply_points, probe_points, probe_sizes
 from .ilp import SolverError
@@ -197,7 +198,8 @@ def _solve(cfg, cluster, p, run_dir, profile: ComputeProfile | None = None,
     options = options_from_config(cfg, profile)
     res = plan_cluster(w, cluster, options, top_k=p.top_k, time_limit_s=p.time_limit_s)
     columns, rows = res.wandb_table()
-    text = "\n".join([cluster.describe(overlap_slowdown_of(options, cluster)), w.run_kernels.describe(), res.table()])
+    text = "\n".join([cluster.describe(overlap_slowdown_of(options, cluster)), w.run_kernels.describe(),
+                      describe_margin(options.memory_margin, cluster.device), res.table()])
     log.info("planner (%.2f s):\n%s", time.perf_counter() - t0, text)
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)

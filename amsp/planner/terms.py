@@ -30,6 +30,7 @@ class GroupTerms:
     spread: dict  # role -> np.ndarray over candidates (bytes of one unit's in-flight spread)
     buckets: dict  # role -> np.ndarray over candidates (bytes of one unit's gradient bucket)
     fills: dict  # role -> np.ndarray over candidates (the gradient in copy while that unit fills)
+    inflight: dict  # role -> np.ndarray over candidates (its reduce-scatter beyond the bucket, in flight)
     bucket_floor: float  # the buckets' term is at least this (the unfused loss backward's transient)
     bucket_events: list  # (roles held, role filling, bytes credited): cost_model.bucket_events
     spread_window: int  # units whose spread may be in flight at once
@@ -51,6 +52,7 @@ class GroupTerms:
         spread: dict = {}
         buckets: dict = {}
         fills: dict = {}
+        inflight: dict = {}
         role_group: dict = {}
         for gi, group in enumerate(UNIT_GROUPS):
             for ci, d in enumerate(cands):
@@ -65,7 +67,9 @@ class GroupTerms:
                     buckets.setdefault(role, np.zeros(len(cands)))[ci] = b
                 for role, b in gc.fill_bytes.items():
                     fills.setdefault(role, np.zeros(len(cands)))[ci] = b
-        return cls(cands, exposed, state, sync, gathered, spread, buckets, fills,
+                for role, b in gc.inflight_bytes.items():
+                    inflight.setdefault(role, np.zeros(len(cands)))[ci] = b
+        return cls(cands, exposed, state, sync, gathered, spread, buckets, fills, inflight,
                    model.w.loss_backward_transient_bytes(), model.bucket_events(),
                    model.spread_window, model.o.overlap_spread, role_group, model.buffer_pairs(),
                    model.constant_time_s(), sum(model.constant_memory().values()), model.memory_budget(),
@@ -83,7 +87,8 @@ class GroupTerms:
                            "state_bytes": float(self.state_bytes[gi, ci]), "sync_bytes": float(self.sync_bytes[gi, ci]),
                            **{f"{kind}_bytes": {r: float(table[r][ci]) for r in roles if r in table}
                               for kind, table in (("gathered", self.gathered), ("spread", self.spread),
-                                                  ("bucket", self.buckets), ("fill", self.fills))}}
+                                                  ("bucket", self.buckets), ("fill", self.fills),
+                                                  ("inflight", self.inflight))}}
                           for ci, d in enumerate(self.candidates)]
         return out
 

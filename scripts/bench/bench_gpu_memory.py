@@ -22,6 +22,7 @@ a run needs beyond the planner's tensor prediction, and what amsp.planner.memory
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -68,8 +69,10 @@ def predicted_bytes(cfg, plan: Plan, world: int, seq: int, micro: int, window: i
     kernels = kernels_for_model(cfg, device, "bf16" if param_bytes == 2 else "fp32", compiled=compiled)
     w = Workload(cfg, seq, 1, micro, Precision(param_bytes=param_bytes, grad_bytes=4), cfg.activation_checkpointing,
                  kernels=kernels)
-    # the engine's default: the spread follows the update (EngineOptions.overlap_spread=False)
-    cost = CostModel(w, cluster(world), Options(spread_window=window, overlap_spread=False)).evaluate(plan)
+    # the engine's default: the spread follows the update (EngineOptions.overlap_spread=False); the
+    # device's backend (gloo on CPU stages collective copies) and allocator margin come with `device`
+    spec = dataclasses.replace(cluster(world), device=device)
+    cost = CostModel(w, spec, Options(spread_window=window, overlap_spread=False)).evaluate(plan)
     parts = {k: v for k, v in cost.memory.items() if k != "reserved"}
     return float(sum(parts.values())), parts
 

@@ -5,13 +5,15 @@ ranks for 2 steps, every rank inside its own cgroup-v1 memory group limited to t
 is the rank's entry point: it joins its group, then runs train.py in the same process). A run whose
 rank the kernel's OOM killer ended (the group's `oom_kill` count) is an out-of-memory run. The
 prediction is the joint planner's memory model (its tightest stage, amsp/planner/joint/stage_cost.py,
-8% margin included) with the runtime outside the tensors as the reserve (the anonymous memory of a
-debug-sized run of the same launcher, measured first): the configuration fits when that is within the
-cap, the rule the planner applies to the device memory. The split is the one train.py runs for a
-hand-named parallel.pp (amsp/parallel/pipeline.py split_layers).
---fidelity runs every configuration uncapped instead and compares each rank's peak resident set above
-its resident set before the build with its stage's predicted tensors (no margin, no reserve); the
-training steps and the final checkpoint's save are reported apart. Reports precision
+with the allocator margin of the ranks' glibc setting: RANK_ENV, amsp/planner/allocator.py) with the
+runtime outside the tensors as the reserve (the anonymous memory of a debug-sized run of the same
+launcher, measured first): the configuration fits when that is within the cap, the rule the planner
+applies to the device memory. The split is the one train.py runs for a hand-named parallel.pp
+(amsp/parallel/pipeline.py split_layers).
+--fidelity runs every configuration uncapped instead and compares each rank's anonymous peak above its
+anonymous memory before the build (what a cap kills for; the resident set's is reported beside it)
+with its stage's predicted tensors (no margin, no reserve); the training steps and the final
+checkpoint's save are reported apart. Reports precision
 and recall of "out of memory" (issue 16: both >= 0.95) and, for the runs that lived, their peak
 resident set (train.py's VmHWM, which also counts shared library pages the group is not charged for).
 A group's own usage counter is no peak here: it fills with reclaimable page cache up to the cap.
@@ -44,6 +46,13 @@ CGROUP = "/sys/fs/cgroup/memory"
 MIB = 2**20
 MODEL = ["model=tiny", "model.dim=768", "model.n_layers=8", "model.n_heads=12", "model.n_kv_heads=4",
          "model.vocab_size=32000", "model.max_seq_len=256", "data.seq_len=256", "trainer.global_batch_size=8"]
+# Every rank's environment. glibc serves blocks over 64 KiB by mmap and trims at once, so a freed tensor's
+# pages go back (as bench_memory_fidelity.py does): with glibc's defaults it keeps them, and a zero3 run
+# whose tensors need ~1.1 GiB was OOM-killed under a 1.4 GiB cap. At 1 MiB the tensor-parallel runs'
+# sub-MiB activation slices (T x dim / tp fp32) stayed on the heap: tp 2, 1/1/1 kept 150 MiB after its
+# first step that 64 KiB returns (18 MiB). The planner's allocator margin for this setting is 0
+# (amsp/planner/allocator.py); the predictions use it.
+RANK_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(64 * 1024), "MALLOC_TRIM_THRESHOLD_": "0"}
 CONFIGS = [(1, 1, d, 1) for d in ((1, 1, 1), (1, 1, 4), (1, 4, 4), (4, 4, 4))] + [
     (1, 1, (1, 1, 1), 2), (1, 1, (2, 2, 2), 2), (1, 1, (4, 4, 4), 2), (2, 1, (1, 1, 1), 2), (2, 1, (2, 2, 2), 2),
     (1, 2, (1, 1, 1), 2), (2, 2, (1, 1, 1), 2), (1, 4, (1, 1, 1), 2)] + [
@@ -67,7 +76,7 @@ def mark_build_start(out_path: str) -> None:
 
     def mark():
         if not state:
-            state["base_kib"], state["anon_kib"] = vm_kib("VmRSS"), vm_kib("RssAnon")
+            state.update(base_kib=vm_kib("VmRSS"), anon_kib=vm_kib("RssAnon"), file_kib=vm_kib("RssFile"))
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
 
@@ -87,13 +96,15 @@ def mark_build_start(out_path: str) -> None:
 
     def save(*a, **k):
         state.setdefault("before_save_kib", vm_kib("VmHWM"))
+        state.setdefault("file_at_save_kib", vm_kib("RssFile"))
         return inner_save(*a, **k)
     train_state.save_training_state = save
 
     def report():
         if state:
             json.dump({"base_mib": state["base_kib"] / 1024, "hwm_mib": vm_kib("VmHWM") / 1024,
-                       "anon_base_mib": state["anon_kib"] / 1024,
+                       "anon_base_mib": state["anon_kib"] / 1024, "file_base_mib": state["file_kib"] / 1024,
+                       "file_steps_mib": state.get("file_at_save_kib", 0) / 1024,
                        "steps_hwm_mib": state.get("before_save_kib", 0) / 1024}, open(out_path, "w"))
     atexit.register(report)
 
@@ -163,13 +174,7 @@ def run(tp: int, pp: int, deg, mbs: int, cap_mib: int, extra: list[str], workdir
             "amsp.ranks_per_node=2", "amsp.planner.recheck_steps=0"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
            os.path.abspath(__file__), "--rank-shim", str(cap_mib), "--tag-dir", tag_dir, "--", *args]
-    # glibc serves blocks over 64 KiB by mmap and trims at once, so a freed tensor's pages go back (as
-    # bench_memory_fidelity.py does): with glibc's defaults it keeps them, and a zero3 run whose tensors
-    # need ~1.1 GiB was OOM-killed under a 1.4 GiB cap, retention the planner's memory model does not price.
-    # At 1 MiB the tensor-parallel runs' sub-MiB activation slices (T x dim / tp fp32) stayed on the heap:
-    # tp 2, 1/1/1 kept 150 MiB after its first step that 64 KiB returns (18 MiB).
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(64 * 1024),
-           "MALLOC_TRIM_THRESHOLD_": "0"}
+    env = {**os.environ, **RANK_ENV}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     groups = read_groups(tag_dir)
     if cap_mib == 0:
@@ -188,32 +193,43 @@ def run(tp: int, pp: int, deg, mbs: int, cap_mib: int, extra: list[str], workdir
             "groups": groups}
 
 
-def peaks_above_build(tp: int, pp: int, deg, mbs: int, extra: list[str], workdir: str) -> list[tuple[float, float]]:
+def anon_growth_mib(got: dict) -> float:
+    """A rank's anonymous peak over the training steps above its anonymous memory before the build:
+    the resident peak less the file-backed pages (code first run, the memory-mapped shards read),
+    which the kernel reclaims under a cap instead of killing (read at the steps' end: a few MiB short
+    if file pages were mapped after the peak; 13-16 MiB of them arrive during the steps here)."""
+    return (got["steps_hwm_mib"] - got["file_steps_mib"]) - (got["base_mib"] - got["file_base_mib"])
+
+
+def peaks_above_build(tp: int, pp: int, deg, mbs: int, extra: list[str],
+                      workdir: str) -> list[tuple[float, float, float]]:
     """Uncapped run: each rank's peak resident set above its resident set before the build (MiB), over
-    the training steps and over the whole run (the final checkpoint's save included)."""
+    the training steps and over the whole run (the final checkpoint's save included), and the steps'
+    anonymous peak above the anonymous memory before the build (anon_growth_mib)."""
     tag_dir = tempfile.mkdtemp(dir=workdir)
     run(tp, pp, deg, mbs, 0, extra, workdir, prefix="fid_", tag_dir=tag_dir)
     out = []
     for r in range(4):
         got = json.load(open(os.path.join(tag_dir, f"peak{r}.json")))
-        out.append((got["steps_hwm_mib"] - got["base_mib"], got["hwm_mib"] - got["base_mib"]))
+        out.append((got["steps_hwm_mib"] - got["base_mib"], got["hwm_mib"] - got["base_mib"], anon_growth_mib(got)))
     return out
 
 
 def runtime_reserve(workdir: str, runs: int = 3) -> float:
     """MiB the runtime holds outside the model's tensors, per rank: a debug-sized run of the same launcher,
-    its anonymous resident memory before the build (torch, process groups, data) plus what its steps
-    added, the largest rank; the median of `runs` launches (one launch in a few reads ~150 MiB high:
-    436 and 423 MiB against 277-279 in nine others on 25 Nov). Anonymous memory only: the kernel reclaims
-    page cache and shared library pages under a cap before it kills (a group's charged peak, page cache
-    included, read 294 and 645 MiB on two runs)."""
+    its anonymous resident memory before the build (torch, process groups, data) plus the anonymous
+    memory its steps added, the largest rank; the median of `runs` launches (one launch in a few reads
+    ~150 MiB high: 436 and 423 MiB against 277-279 in nine others on 25 Nov). Anonymous memory only: the
+    kernel reclaims page cache and shared library pages under a cap before it kills (a group's charged
+    peak, page cache included, read 294 and 645 MiB on two runs). Until 26 Nov the steps' growth was
+    the resident set's, which counted the 13-16 MiB of file pages the steps map."""
     seen = []
     for i in range(runs):  # a run directory of its own each: the same name would resume the previous launch
         tag_dir = tempfile.mkdtemp(dir=workdir)
         run(1, 1, (1, 1, 1), 1, 0, ["model=debug", "data.seq_len=64", "trainer.global_batch_size=8"], workdir,
             prefix=f"runtime{i}_", tag_dir=tag_dir)
         ranks = [json.load(open(os.path.join(tag_dir, f"peak{r}.json"))) for r in range(4)]
-        seen.append(max(g["anon_base_mib"] + g["steps_hwm_mib"] - g["base_mib"] for g in ranks))
+        seen.append(max(g["anon_base_mib"] + anon_growth_mib(g) for g in ranks))
     print(f"runtime reserve per launch: {', '.join(f'{x:.0f}' for x in seen)} MiB", file=sys.stderr)
     return statistics.median(seen)
 
@@ -228,6 +244,7 @@ def stage_choices(tp: int, pp: int, deg, mbs: int, reserve_bytes: float, extra: 
     from amsp.parallel.pipeline import split_layers
     from amsp.plan import Degrees
     from amsp.planner.__main__ import compose_config
+    from amsp.planner.allocator import margin_for
     from amsp.planner.from_config import cluster_spec
     from amsp.planner.joint.hetero import from_spec
     from amsp.planner.joint.search import _Candidate, split_bounds
@@ -241,8 +258,10 @@ def stage_choices(tp: int, pp: int, deg, mbs: int, reserve_bytes: float, extra: 
     model = to_llama_config(cfg.model)
     dp = 4 // (tp * pp)
     B = int(cfg.trainer.global_batch_size) // (dp * mbs)
+    # the margin of the allocator the ranks run with (RANK_ENV: glibc returning freed blocks)
     s = Setting(model, int(cfg.data.seq_len), Precision.named("fp32"), tp, pp, dp, mbs, B, {},
-                reserved_bytes=reserve_bytes, kernels=kernels_for_model(model, "cpu", "fp32"))
+                memory_margin=margin_for(None, "cpu", RANK_ENV), reserved_bytes=reserve_bytes,
+                kernels=kernels_for_model(model, "cpu", "fp32"))
     cand = _Candidate(s, from_spec(spec))
     # the split the run uses: train.py's default for a hand-named parallel.pp (amsp/parallel/pipeline.py)
     bounds = split_bounds([len(layers) for layers in split_layers(model.n_layers, pp)])
@@ -263,13 +282,14 @@ def fidelity(configs, json_path: str | None, t0: float) -> int:
                 parts = {k: v / MIB for k, v in ch.memory_parts.items() if k != "reserve"}
                 pred = sum(parts.values())
                 ranks = measured[st * per_stage:(st + 1) * per_stage]
-                got, with_save = max(r[0] for r in ranks), max(r[1] for r in ranks)
+                rss, with_save, got = (max(r[k] for r in ranks) for k in range(3))
                 rows.append({"tp": tp, "pp": pp, "degrees": c[2], "mbs": c[3], "stage": st, "predicted_mib": pred,
-                             "parts_mib": parts, "measured_mib": got, "with_save_mib": with_save,
+                             "parts_mib": parts, "measured_mib": got, "rss_mib": rss, "with_save_mib": with_save,
                              "ranks_mib": measured})
                 print(f"[{i + 1}/{len(configs)} {time.time() - t0:.0f}s] {c} stage {st}: predicted {pred:.0f} MiB "
-                      f"({', '.join(f'{k} {v:.0f}' for k, v in parts.items())}), measured {got:.0f} MiB "
-                      f"({(pred - got) / got:+.1%}); {with_save:.0f} MiB with the final save", file=sys.stderr)
+                      f"({', '.join(f'{k} {v:.0f}' for k, v in parts.items())}), measured {got:.0f} MiB anonymous "
+                      f"({(pred - got) / got:+.1%}), resident {rss:.0f} MiB ({(pred - rss) / rss:+.1%}); "
+                      f"{with_save:.0f} MiB resident with the final save", file=sys.stderr)
     if json_path:
         json.dump({"rows": rows, "wall_s": time.time() - t0}, open(json_path, "w"), indent=1)
     return 0
@@ -281,7 +301,7 @@ def reprice(path: str) -> int:
     and worst errors."""
     rows = json.load(open(path))["rows"]
     choices, errors = {}, []
-    for r in rows:
+    for r in rows:  # runs before 26 Nov measured the resident set only: their "measured_mib"
         c = (r["tp"], r["pp"], tuple(r["degrees"]), r["mbs"])
         if c not in choices:
             choices[c] = stage_choices(*c, 0.0, MODEL)

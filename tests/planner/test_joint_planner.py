@@ -109,16 +109,20 @@ def test_cli_joint_json(capsys):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("overlap_spread", [False, True])
-def test_one_stage_memory_is_the_amsp_planners(precision, overlap_spread):
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_one_stage_memory_is_the_amsp_planners(precision, overlap_spread, device):
     """tp = pp = 1: a stage is the whole model, and its memory must be what the AMSP cost model (measured
-    within 10% on CPU, scripts/bench/bench_memory_fidelity.py) says for the same degrees, phase by phase."""
+    within 10% on CPU, scripts/bench/bench_memory_fidelity.py) says for the same degrees, phase by phase,
+    on either backend (gloo's staged copies on CPU: cost_model.reduce_scatter_inflight_bytes)."""
+    import dataclasses
+
     from amsp.plan import Degrees, Plan
     from amsp.planner.cost_model import CostModel, Options
     from amsp.planner.workload import Workload
 
     cfg = get_preset("tiny").with_overrides(dim=256, n_layers=4, vocab_size=8192)
     prec = Precision.named(precision)
-    cluster = load_preset("a100x8", 1)
+    cluster = dataclasses.replace(load_preset("a100x8", 1), device=device)
     s = Setting(cfg, 256, prec, 1, 1, 8, 2, 4, {}, memory_margin=0.0, reserved_bytes=0.0,
                 overlap_spread=overlap_spread, spread_window=2)
     pricer = _Candidate(s, from_spec(cluster)).pricers[0]

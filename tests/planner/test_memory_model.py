@@ -38,14 +38,60 @@ def test_reserve_is_runtime_plus_fragmentation_of_the_peak():
 
 
 def test_spread_joins_the_phase_it_runs_in():
-    w = workload("tiny", seq_len=64, mbs=1, micro_batches=1, precision="bf16")
+    """Overlapped, the spread is in flight in the next forward; otherwise it follows the update, which
+    has freed the OS-shard gradients (a 1/1/4 run's trace: the resident set fell by their 95 MiB before
+    the first unit's spread), so the step phase is the larger of the two, not their sum."""
+    w = workload("tiny", seq_len=8, mbs=1, micro_batches=1, precision="bf16", model_overrides={"vocab_size": 1024})
     for overlap in (True, False):
         m = CostModel(w, flat_cluster(1, 8), Options(overlap_spread=overlap)).evaluate(make_plan("zero1", 8, 8)).memory
         states = m["params"] + m["grads"] + m["optim"]
         fb = m["gathered"] + m["activations"] + m["buckets"] + (m["spread"] if overlap else 0)
-        step = m["grad_sync"] + (0 if overlap else m["spread"])
+        step = max(m["grad_sync"], 0 if overlap else m["spread"])
         assert m["spread"] > 0
         assert sum(v for k, v in m.items() if k != "reserved") == pytest.approx(states + max(fb, step))
+        if not overlap:  # this shape's step phase decides, and the sum would have over-counted it
+            assert step > fb and m["grad_sync"] + m["spread"] > step
+
+
+def test_a_reduce_scatter_in_flight_holds_its_output_and_on_cpu_glooss_copy():
+    """g > 1: while the last block fills, the head's reduce-scatter is in flight. It holds its output (the
+    head's G-shard slice) on every backend, and on CPU gloo's copy of its input as well, less the head's
+    gathered weights with p > 1 (freed after its backward, still counted by the gathered pair)."""
+    import dataclasses
+
+    from amsp.plan import Degrees
+    from amsp.planner.cost_model import reduce_scatter_inflight_bytes
+    from amsp.schedule import padded_numel
+
+    w = workload("tiny", seq_len=128, mbs=2, micro_batches=2, precision="fp32")
+    cpu = CostModel(w, flat_cluster(1, 8), Options())
+    cuda = CostModel(w, dataclasses.replace(flat_cluster(1, 8), device="cuda"), Options())
+    assert cpu.collectives_stage_copies and not cuda.collectives_stage_copies
+    for deg, staged in ((Degrees(1, 8, 8), 1.0), (Degrees(8, 8, 8), 0.0), (Degrees(1, 1, 8), None)):
+        head = padded_numel(w.role_numel()["head"], deg)
+        out = head / deg.g * 4
+        if staged is None:  # g = 1: no reduce-scatter
+            assert cpu.grad_inflight_bytes("head", deg) == cuda.grad_inflight_bytes("head", deg) == 0
+            continue
+        assert cuda.grad_inflight_bytes("head", deg) == out
+        assert cpu.grad_inflight_bytes("head", deg) == out + staged * head * 4
+    # bf16 weights gathered with p > 1 free half of what the fp32 gradient's copy takes
+    assert reduce_scatter_inflight_bytes(800, Degrees(2, 8, 8), 4, 2, True) == 800 / 8 * 4 + 800 * 2
+    # the event: the filling block's bucket and gradient in copy, the head's bucket and its in-flight extra
+    deg = Degrees(1, 8, 8)
+
+    def event(m):
+        roles, filler, credit = next(e for e in m.bucket_events() if e[0] == ("block", "head"))
+        held = (m.grad_bucket_bytes("block", deg) + m.grad_bucket_bytes("head", deg)
+                + m.grad_fill_bytes("block", deg) + m.grad_inflight_bytes("head", deg) - credit)
+        tables = [{r: f(r, deg) for r in ("embedding", "block", "head")}
+                  for f in (m.grad_bucket_bytes, m.grad_fill_bytes, m.grad_inflight_bytes)]
+        assert m.peak_grad_buckets(*tables) >= held
+        return held
+
+    head = padded_numel(w.role_numel()["head"], deg)
+    assert event(cpu) - event(cuda) == pytest.approx(head * 4)  # gloo's copy of the head's fp32 gradients
+    grid_matches_evaluate(cpu)
 
 
 @pytest.mark.parametrize("overlap", [True, False])

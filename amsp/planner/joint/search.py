@@ -240,7 +240,7 @@ def stage_group(s: Setting, groups: list[NodeGroup]) -> NodeGroup:
 
 def plan_joint(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, global_batch: int,
                precision: Precision, efficiency: dict | None = None, micro_batch_sizes=(1, 2, 4, 8),
-               tp_degrees: list[int] | None = None, top_k: int = 10, memory_margin: float = 0.08,
+               tp_degrees: list[int] | None = None, top_k: int = 10, memory_margin: float | None = None,
                reserved_bytes: float = 2**30, overlap_slowdown: float | None = None,
                unit_times: dict | None = None, progress=None, overlap_spread: bool = False,
                spread_window: int = 2, optimizer_s_per_elem: dict | None = None,
@@ -462,7 +462,7 @@ def stage_blocks(bounds: list[int], n_layers: int) -> list[int]:
 def price_config(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, global_batch: int,
                  precision: Precision, tp: int, pp: int, micro_batch_size: int, degrees,
                  recompute: bool = False, layer_split: list[int] | None = None, efficiency: dict | None = None,
-                 memory_margin: float = 0.08, reserved_bytes: float = 2**30,
+                 memory_margin: float | None = None, reserved_bytes: float = 2**30,
                  overlap_slowdown: float | None = None, unit_times: dict | None = None,
                  overlap_spread: bool = False, spread_window: int = 2,
                  optimizer_s_per_elem: dict | None = None, kernels: Kernels | None = None,

@@ -26,8 +26,10 @@ from amsp.plan import Degrees, enumerate_degrees
 from amsp.schedule import Precision
 from models.llama.config import LlamaConfig
 
+from ..allocator import margin_for
 from ..comm_time import collective_seconds
-from ..cost_model import UPDATE_HIDDEN_COST, layout, overlapped_update_exposed
+from ..cost_model import (UPDATE_HIDDEN_COST, collectives_stage_copies, layout, overlapped_update_exposed,
+                          reduce_scatter_inflight_bytes)
 from ..workload import Kernels, Workload
 from .hetero import HeteroCluster, NodeGroup, group_as_cluster
 
@@ -46,7 +48,7 @@ class Setting:
     micro_batch_size: int
     micro_batches: int  # per step per DP rank
     efficiency: dict  # node preset name -> fraction of peak the compute reaches
-    memory_margin: float = 0.08
+    memory_margin: float | None = None  # None: the node group's allocator's (planner/allocator.py)
     reserved_bytes: float = 2**30
     # compute seconds lost per second of communication hidden behind it (measured at startup by
     # compute_profile.py, as for the AMSP planner); None: each node group's preset figure
@@ -163,6 +165,7 @@ class StagePricer:
         self.costs = unit_costs(s, group)
         self.params = unit_params(s)
         self.budget = group.spec.device_memory_bytes
+        self.margin = margin_for(s.memory_margin, group.spec.device)
         self.candidates = enumerate_degrees(s.dp, self.dp_per_node)
         # activation bytes per micro-batch (the DP over splits asks for them thousands of times)
         w, wf = s.workload("none"), s.workload("full")
@@ -212,10 +215,11 @@ class StagePricer:
         stage's units: model states throughout, then the larger of two phases. Forward/backward: the
         largest pair of units gathered together (current + prefetched, forward order), a pair's flat
         gradients on their way to the reduce-scatter with the gradient being copied into the filling
-        one (g = 1: one parameter's gradient per unit; on the last stage the loss backward's transient
-        where that is larger), the activations of the
-        micro-batches in flight (1F1B). The optimizer step: the OS-shard gradients held from the sync to
-        the update. The parameter spread's window joins the phase it runs in."""
+        one and what the other's reduce-scatter holds in flight (g = 1: one parameter's gradient per
+        unit; on the last stage the loss backward's transient where that is larger), the activations
+        of the micro-batches in flight (1F1B). The optimizer step: the OS-shard gradients held from the
+        sync to the update; a spread that follows the update comes after them (the larger counts),
+        one that overlaps the next forward joins forward/backward."""
         s, prec = self.s, self.s.precision
         pe, pb, ph = self.params
         tied_here = embed and head and not ph  # one embedding+head unit, gathered through the whole forward
@@ -241,6 +245,10 @@ class StagePricer:
                 fill[-1] = 0.0
             fill = [f + w for f, w in zip(fill, working)]
             grad_pairs = [x * prec.grad_bytes + f for x, f in zip(pairs, fill)]
+            # the unit after the filling one (forward order) has its reduce-scatter in flight
+            staged = collectives_stage_copies(self.g.spec.device)
+            for i, nxt in enumerate(order[1:]):
+                grad_pairs[i] += reduce_scatter_inflight_bytes(nxt, deg, prec.grad_bytes, prec.param_bytes, staged)
             if separate_head:
                 grad_pairs.append(order[-1] * prec.grad_bytes + fill[-1])
         else:
@@ -269,9 +277,9 @@ class StagePricer:
         if emb_pair is not None:
             transient = max(transient, emb_pair + (in_flight - 1) * per_mb + self.recv_buffers * (not head))
         fwd_bwd = gathered + transient + (spread if s.overlap_spread else 0.0)
-        step = grad_sync + (0.0 if s.overlap_spread else spread)
+        step = max(grad_sync, 0.0 if s.overlap_spread else spread)  # a spread after the update: grad_sync freed
         tensors = states + max(fwd_bwd, step)
-        total = tensors * (1 + s.memory_margin) + s.reserved_bytes
+        total = tensors * (1 + self.margin) + s.reserved_bytes
         # parts add up to the tensor peak: what the step needs beyond forward/backward is its own part
         return total, {"states": states, "buffers": fwd_bwd - acts, "activations": acts,
                        "step_extra": max(0.0, step - fwd_bwd), "reserve": total - tensors}
