@@ -220,10 +220,11 @@ def time_compute(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, dev
 
 def time_optimizer(device, elems: int = OPTIMIZER_ELEMS, repeats: int = 3) -> float:
     """Seconds per element of one AdamW step on fp32 master weights, with the kernel ShardedAdamW picks by
-    default on this device (torch._fused_adamw_, else torch._foreach_*; amsp.optimizer_kernel=csrc's one
-    pass moves the same 28 bytes an element before its weight write, and is not timed apart): a
-    memory-bound pass whose rate a preset's memory bandwidth only guesses (on CPU the ranks also share
-    the cores)."""
+    default on this device (torch._fused_adamw_, else torch._foreach_*) called as the engine calls it
+    with gradient clipping on (the default): the clip scale as grad_scale, so the kernel writes each
+    gradient back divided by it (cost_model.ADAM_BYTES_PER_ELEM; amsp.optimizer_kernel=csrc's one pass
+    does not, and is not timed apart). A memory-bound pass whose rate a preset's memory bandwidth only
+    guesses (on CPU the ranks also share the cores)."""
     import torch
 
     from amsp.sharded_optim import fused_adamw_available
@@ -233,12 +234,14 @@ def time_optimizer(device, elems: int = OPTIMIZER_ELEMS, repeats: int = 3) -> fl
     p, grad = (torch.randn(elems, generator=g).to(device) for _ in range(2))
     m, v = torch.zeros(elems, device=device), torch.zeros(elems, device=device)
     step = torch.zeros((), device=device)
+    scale = torch.ones((), device=device)  # the clip scale (sharded_optim.ShardedAdamW.prepare)
     if fused_adamw_available(device):
         def run():
             torch._fused_adamw_([p], [grad], [m], [v], [], [step], lr=1e-4, beta1=0.9, beta2=0.95,
-                                weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
+                                weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False, grad_scale=scale)
     else:
         def run():  # the foreach path's passes (sharded_optim.ShardedAdamW._foreach)
+            torch._foreach_div_([grad], scale)
             torch._foreach_mul_([p], 1 - 1e-5)
             torch._foreach_lerp_([m], [grad], 0.1)
             torch._foreach_mul_([v], 0.95)

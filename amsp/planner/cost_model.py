@@ -83,7 +83,12 @@ from .comm_time import collective_seconds
 from .compute_profile import ComputeProfile
 from .workload import Workload
 
-ADAM_BYTES_PER_ELEM = 28  # read grad+master+m+v, write master+m+v (fp32); plus the compute-weight write
+# Bytes an AdamW step moves per OS element (fp32), before the compute-weight write: read gradient, master,
+# m and v, write master, m and v, and write the gradient back. The engine clips by default (grad_clip > 0):
+# the clip scale rides in torch._fused_adamw_'s grad_scale, and the kernel stores each gradient divided by
+# it (an H200's profile of the 1.88B bench: 38 bytes a parameter with the bf16 weight write). csrc's
+# one-pass kernel (amsp.optimizer_kernel=csrc) does not write it back (28), priced here as the fused one.
+ADAM_BYTES_PER_ELEM = 36
 # What an optimizer update on the side stream (amsp.overlap_update) still costs per second of it that the
 # schedule hides behind a forward. Measured on an H200 (BENCHMARKS.md, "GPU path on one H200"): the 1.88B
 # bench's update was 20.5 ms of exposed step time inline and 19.6 ms overlapped, of which 3.6 ms are the

@@ -28,12 +28,11 @@ from models.llama.config import LlamaConfig
 
 from ..allocator import margin_for
 from ..comm_time import collective_seconds
-from ..cost_model import (UPDATE_HIDDEN_COST, collectives_stage_copies, layout, overlapped_update_exposed,
+from ..cost_model import (ADAM_BYTES_PER_ELEM, UPDATE_HIDDEN_COST, collectives_stage_copies, layout, overlapped_update_exposed,
                           reduce_scatter_inflight_bytes)
 from ..workload import Kernels, Workload
 from .hetero import HeteroCluster, NodeGroup, group_as_cluster
 
-OPTIM_BYTES_TOUCHED = 28  # per element of an OS shard: master, two moments read + written, the gradient read
 
 
 @dataclass(frozen=True)
@@ -333,7 +332,7 @@ class StagePricer:
                 params = n_blocks * pb + (pe if embed else 0) + (ph if head else 0)
                 rate = self.s.optimizer_s_per_elem.get(self.g.name)
                 per_elem = (rate if rate is not None else
-                            OPTIM_BYTES_TOUCHED / (self.g.spec.memory_bandwidth_gbs * 1e9)) / deg.os
+                            ADAM_BYTES_PER_ELEM / (self.g.spec.memory_bandwidth_gbs * 1e9)) / deg.os
                 # what the compute cannot hide, plus what hiding the rest costs the compute
                 slowdown = self.s.overlap_slowdown if self.s.overlap_slowdown is not None \
                     else self.g.spec.overlap_slowdown
