@@ -32,6 +32,7 @@ from amsp.schedule import Precision
 from configs.schema import register_configs
 
 from .compute_profile import load_profile, load_profiles
+from .allocator import describe_margin
 from .cost_model import CostModel, overlap_slowdown_of
 from .from_config import (cluster_spec, options_from_config, planner_config, precision_name,
                           refuse_state_budget_for_joint, with_model_parallel, workload_from_config)
@@ -164,6 +165,7 @@ def _run(mode: str, args) -> int:
         f"{w.micro_batches} micro-batch(es) of {w.micro_batch_size} per rank, {precision_name(cfg, cluster)}, "
         f"recomputation {w.recompute}, tp {w.tp}, pp {w.pp}; compute from {model.compute_source}")
     out(f"{w.run_kernels.describe()} (assumed here; train.py's startup asks its device)")
+    out(describe_margin(options.memory_margin, cluster.device))
     if args.price:
         plans = [parse_plan(text, model.dp_world, model.dp_per_node) for text in args.price]
         costs = [price_plan(w, cluster, options, plan) for plan in plans]
