@@ -27,7 +27,7 @@ import torch
 from omegaconf import OmegaConf
 
 from amsp import control
-from amsp.metrics.memory import anon_peak_bytes, anon_rss_bytes
+from amsp.metrics.memory import anon_peak_bytes, anon_rss_bytes, release_freed_heap
 from amsp.planner import replan as rp
 from amsp.planner.allocator import margin_for
 
@@ -64,6 +64,7 @@ class Replanner:
     def mark_engine_start(self) -> None:
         """Called just before the first engine is built: the CPU baseline the measured peak is taken above."""
         if self.device.type == "cpu":
+            release_freed_heap()  # what the startup freed is not the runtime's (memory.release_freed_heap)
             self.baseline_bytes = anon_rss_bytes()
 
     @contextlib.contextmanager
