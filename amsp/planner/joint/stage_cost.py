@@ -28,11 +28,10 @@ from models.llama.config import LlamaConfig
 
 from ..allocator import margin_for
 from ..comm_time import collective_seconds
-from ..cost_model import (ADAM_BYTES_PER_ELEM, UPDATE_HIDDEN_COST, collectives_stage_copies, layout, overlapped_update_exposed,
-                          reduce_scatter_inflight_bytes)
+from ..cost_model import (ADAM_BYTES_PER_ELEM, UPDATE_HIDDEN_COST, collectives_stage_copies, layout,
+                          overlapped_update_exposed, reduce_scatter_inflight_bytes)
 from ..workload import Kernels, Workload
 from .hetero import HeteroCluster, NodeGroup, group_as_cluster
-
 
 
 @dataclass(frozen=True)
@@ -165,6 +164,7 @@ class StagePricer:
         self.params = unit_params(s)
         self.budget = group.spec.device_memory_bytes
         self.margin = margin_for(s.memory_margin, group.spec.device)
+        self.staged = collectives_stage_copies(group.spec.device)  # gloo's copies (cost_model)
         self.candidates = enumerate_degrees(s.dp, self.dp_per_node)
         # activation bytes per micro-batch (the DP over splits asks for them thousands of times)
         w, wf = s.workload("none"), s.workload("full")
@@ -245,9 +245,9 @@ class StagePricer:
             fill = [f + w for f, w in zip(fill, working)]
             grad_pairs = [x * prec.grad_bytes + f for x, f in zip(pairs, fill)]
             # the unit after the filling one (forward order) has its reduce-scatter in flight
-            staged = collectives_stage_copies(self.g.spec.device)
             for i, nxt in enumerate(order[1:]):
-                grad_pairs[i] += reduce_scatter_inflight_bytes(nxt, deg, prec.grad_bytes, prec.param_bytes, staged)
+                grad_pairs[i] += reduce_scatter_inflight_bytes(nxt, deg, prec.grad_bytes, prec.param_bytes,
+                                                               self.staged)
             if separate_head:
                 grad_pairs.append(order[-1] * prec.grad_bytes + fill[-1])
         else:
