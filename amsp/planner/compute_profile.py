@@ -222,7 +222,7 @@ def time_optimizer(device, elems: int = OPTIMIZER_ELEMS, repeats: int = 3) -> fl
     """Seconds per element of one AdamW step on fp32 master weights, with the kernel ShardedAdamW picks by
     default on this device (torch._fused_adamw_, else torch._foreach_*) called as the engine calls it
     with gradient clipping on (the default): the clip scale as grad_scale, so the kernel writes each
-    gradient back divided by it (cost_model.ADAM_BYTES_PER_ELEM; amsp.optimizer_kernel=csrc's one pass
+    gradient back divided by it (update_cost.ADAM_BYTES_PER_ELEM; amsp.optimizer_kernel=csrc's one pass
     does not, and is not timed apart). A memory-bound pass whose rate a preset's memory bandwidth only
     guesses (on CPU the ranks also share the cores)."""
     import torch

@@ -81,64 +81,10 @@ from .allocator import margin_for
 from .cluster import ClusterSpec
 from .comm_time import collective_seconds
 from .compute_profile import ComputeProfile
+from .memory_events import collectives_stage_copies, event_bytes, reduce_scatter_inflight_bytes
+from .update_cost import ADAM_BYTES_PER_ELEM, UPDATE_HIDDEN_COST, overlapped_update_exposed
 from .workload import Workload
 
-# Bytes an AdamW step moves per OS element (fp32), before the compute-weight write: read gradient, master,
-# m and v, write master, m and v, and write the gradient back. The engine clips by default (grad_clip > 0):
-# the clip scale rides in torch._fused_adamw_'s grad_scale, and the kernel stores each gradient divided by
-# it (an H200's profile of the 1.88B bench: 38 bytes a parameter with the bf16 weight write). csrc's
-# one-pass kernel (amsp.optimizer_kernel=csrc) does not write it back (28), priced here as the fused one.
-ADAM_BYTES_PER_ELEM = 36
-# What an optimizer update on the side stream (amsp.overlap_update) still costs per second of it that the
-# schedule hides behind a forward. Measured on an H200 (BENCHMARKS.md, "GPU path on one H200"): the 1.88B
-# bench's update was 20.5 ms of exposed step time inline and 19.6 ms overlapped, of which 3.6 ms are the
-# embedding's and first block's (exposed by design), so the 16.9 ms hidden cost 16.0 (0.95). cuBLAS's
-# matmul kernels occupy every SM, so the update's memory-bound kernels mostly run between them.
-UPDATE_HIDDEN_COST = 0.95
-
-
-def collectives_stage_copies(device: str) -> bool:
-    """gloo, the engine's CPU backend, runs a collective in buffers of its own: a reduce-scatter holds a
-    copy of its input until the caller's wait, an all-gather a copy of its output at the wait. NCCL
-    (CUDA) works in the caller's tensors. Measured on 4 gloo ranks (torch 2.13, a 94 MiB fp32 input,
-    glibc returning freed blocks): reduce_scatter_tensor +94 MiB from its launch until its handle is
-    released, its output's pages at the wait; all_reduce nothing."""
-    return device == "cpu"
-
-
-def reduce_scatter_inflight_bytes(numel: float, deg: Degrees, grad_bytes: int, param_bytes: int,
-                                  staged: bool) -> float:
-    """What a unit of `numel` (padded) elements holds beyond its flat gradient bucket while its gradient
-    reduce-scatter (g > 1) is in flight beside the next unit filling: the output, its G-shard slice
-    (added into the G shard at the wait: amsp.flat_unit finish_grad_reduce), and where collectives
-    stage copies (gloo) the input's copy. With p > 1 the unit's gathered weights were freed after its
-    backward while the gathered-pair term still counts a pair of units, so the copy adds only what it
-    exceeds them by. Traced on 4 gloo ranks (102M parameters, fp32, 1/4/4): the peak is the last block
-    filling while the head's reduce-scatter is in flight, +94 MiB of gloo's copy and +24 of output."""
-    if deg.g == 1:
-        return 0.0
-    out = numel / deg.g * grad_bytes
-    if not staged:
-        return out
-    gathered = numel * param_bytes if deg.p > 1 else 0.0
-    return out + max(0.0, numel * grad_bytes - gathered)
-
-
-def event_bytes(roles: tuple[str, ...], filler: str, credit, take, buckets, fills, inflight):
-    """Bytes of one gradient-bucket event (CostModel.bucket_events): the held units' buckets, the filling
-    unit's gradient in copy and what the in-flight unit's reduce-scatter holds beyond its bucket (the
-    roles after the filler), less the credit. `take(role, table)` reads a role's entry of a table: a
-    number, a candidate axis (exhaustive.grid) or a solver expression (ilp)."""
-    return (sum(take(r, buckets) for r in roles) + take(filler, fills)
-            + sum(take(r, inflight) for r in roles[1:]) - credit)
-
-
-def overlapped_update_exposed(waits: float, later: list[float], window: float) -> float:
-    """Exposed seconds of updates on the side stream (amsp.overlap_update): the updates nothing runs
-    before (`waits`: the embedding's, the first block's) in full, each later unit's beyond the forward
-    `window` of the unit before it. The rule both planners use (CostModel.update_exposed per role,
-    joint/stage_cost.py per stage); the hidden rest still costs UPDATE_HIDDEN_COST of itself."""
-    return waits + sum(max(0.0, u - window) for u in later)
 PHASES = ("forward", "backward", "grad", "grad_to_os", "grad_replica", "spread", "grad_norm")
 # Per-unit memory that scales with the unit count: model states and the OS gradients the step holds.
 STATE_PARTS = ("params", "grads", "optim", "grad_sync")
@@ -147,8 +93,7 @@ STATE_PARTS = ("params", "grads", "optim", "grad_sync")
 @dataclass(frozen=True)
 class Options:
     mfu: float = 0.45
-    # allocator reserve: fragmentation of the caching allocator, as a fraction of the peak tensor bytes
-    # (PyTorch's CUDA allocator reserves ~5-10% over what it hands out; glibc's mmap'd blocks ~0)
+    # what the allocator holds beyond the live tensors, as a fraction of the peak tensor bytes
     memory_margin: float | None = None  # None: the cluster device's allocator's (planner/allocator.py)
     reserved_bytes: int = 1 << 30  # runtime outside the allocator: CUDA context, kernels, workspaces
     overlap_spread: bool = True
@@ -394,12 +339,8 @@ class CostModel:
         return collectives_stage_copies(self.c.device)
 
     def grad_inflight_bytes(self, role: str, deg: Degrees) -> float:
-        """What a unit's gradient reduce-scatter (g > 1) holds beyond its flat bucket while in flight,
-        beside the next unit filling (the second role of a bucket event): the output, the unit's G-shard
-        slice in the gradient dtype (added into the G shard at the wait, amsp.flat_unit
-        finish_grad_reduce), and under gloo the input's copy. With p > 1 the unit's gathered weights
-        were freed after its backward, while the gathered pair term still counts a pair of units in
-        forward order: the copy adds only what it exceeds them by."""
+        """memory_events.reduce_scatter_inflight_bytes for one unit of `role` (the second role of a bucket
+        event: its reduce-scatter is in flight while the first fills)."""
         return reduce_scatter_inflight_bytes(padded_numel(self._numel[role], deg), deg, self._gb, self._pb,
                                              self.collectives_stage_copies)
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from amsp.plan import Plan
 
-from .cost_model import event_bytes
+from .memory_events import event_bytes
 from .terms import GroupTerms
 
 

@@ -32,7 +32,7 @@ import pulp
 
 from amsp.plan import Plan, UNIT_GROUPS
 
-from .cost_model import event_bytes
+from .memory_events import event_bytes
 from .exhaustive import Choice
 from .terms import GroupTerms
 

@@ -113,7 +113,7 @@ def test_cli_joint_json(capsys):
 def test_one_stage_memory_is_the_amsp_planners(precision, overlap_spread, device):
     """tp = pp = 1: a stage is the whole model, and its memory must be what the AMSP cost model (measured
     within 10% on CPU, scripts/bench/bench_memory_fidelity.py) says for the same degrees, phase by phase,
-    on either backend (gloo's staged copies on CPU: cost_model.reduce_scatter_inflight_bytes)."""
+    on either backend (gloo's staged copies on CPU: memory_events.reduce_scatter_inflight_bytes)."""
     import dataclasses
 
     from amsp.plan import Degrees, Plan
@@ -272,7 +272,7 @@ def test_an_overlapped_update_is_priced_per_stage_on_cuda_only():
     import dataclasses
 
     from amsp.plan import Degrees
-    from amsp.planner.cost_model import UPDATE_HIDDEN_COST
+    from amsp.planner.update_cost import UPDATE_HIDDEN_COST
 
     def price(cluster, on):
         return price_config(get_preset("llama2_7b"), cluster, seq_len=4096, global_batch=64, precision=BF16, tp=1,

@@ -60,7 +60,7 @@ def test_a_reduce_scatter_in_flight_holds_its_output_and_on_cpu_glooss_copy():
     import dataclasses
 
     from amsp.plan import Degrees
-    from amsp.planner.cost_model import reduce_scatter_inflight_bytes
+    from amsp.planner.memory_events import reduce_scatter_inflight_bytes
     from amsp.schedule import padded_numel
 
     w = workload("tiny", seq_len=128, mbs=2, micro_batches=2, precision="fp32")

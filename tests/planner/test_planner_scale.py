@@ -149,7 +149,7 @@ def test_an_overlapped_update_is_priced_hidden_on_cuda_and_inline_on_cpu():
     it, except the embedding's and the first block's; the hidden part costs its measured UPDATE_HIDDEN_COST.
     On CPU the update runs inline at its unit's forward: priced as without the switch."""
     from amsp.planner.__main__ import compose_config
-    from amsp.planner.cost_model import UPDATE_HIDDEN_COST
+    from amsp.planner.update_cost import UPDATE_HIDDEN_COST
     from amsp.planner.from_config import cluster_spec, options_from_config
 
     c = preset("h100x8").with_shape(1, 8)

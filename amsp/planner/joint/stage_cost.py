@@ -28,8 +28,9 @@ from models.llama.config import LlamaConfig
 
 from ..allocator import margin_for
 from ..comm_time import collective_seconds
-from ..cost_model import (ADAM_BYTES_PER_ELEM, UPDATE_HIDDEN_COST, collectives_stage_copies, layout,
-                          overlapped_update_exposed, reduce_scatter_inflight_bytes)
+from ..cost_model import layout
+from ..memory_events import collectives_stage_copies, reduce_scatter_inflight_bytes
+from ..update_cost import ADAM_BYTES_PER_ELEM, UPDATE_HIDDEN_COST, overlapped_update_exposed
 from ..workload import Kernels, Workload
 from .hetero import HeteroCluster, NodeGroup, group_as_cluster
 
