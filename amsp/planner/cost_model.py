@@ -359,13 +359,10 @@ class CostModel:
         and the first block's arrive once the micro-batch's activations are gone, so that pair meets
         only what is still alive then (workload.activation_bytes_at_embedding_backward) and is charged
         against the full activations less that. A tied embedding+head unit starts its gradient with the
-        head's, at the start of the backward: no offset. Nor where Workload.embedding_gradient_comes_last
-        says no (tp > 1)."""
+        head's, at the start of the backward: no offset."""
         pairs = self.buffer_pairs()
-        offsets = [0.0] * len(pairs)
-        if self.w.embedding_gradient_comes_last:
-            credit = self.constant_memory()["activations"] - self.w.activation_bytes_at_embedding_backward()
-            offsets = [credit if pair == ("embedding", "block") else 0.0 for pair in pairs]
+        credit = self.constant_memory()["activations"] - self.w.activation_bytes_at_embedding_backward()
+        offsets = [credit if pair == ("embedding", "block") else 0.0 for pair in pairs]
         if "head" in self._numel:  # what the backward freed before each block pair (Workload's rule)
             offsets = [off + self.w.activations_freed_before(pair) for pair, off in zip(pairs, offsets)]
         return offsets

@@ -291,7 +291,21 @@ class Workload:
             per_logit = 4 + e if cuda and e != 4 else 4  # fp32 logits, and on CUDA their compute-dtype copy
             return (m.vocab_size * m.dim * e + m.dim * e * t + rows * m.vocab_size * per_logit
                     + self.head_forward_only_bytes())
-        return (self.norm_kept_bytes() + m.dim * e + m.vocab_size * (e + 4) / self.tp) * t
+        # beside the cross-entropy's saved log-softmax, the logits only where the pipeline's schedule
+        # holds them as the stage's output (in the model, lm_loss under loss_parallel, they are freed:
+        # a tp 2 trace's head kept one local fp32 logits tensor, 34 MiB, where two had been priced)
+        logits_kept = m.vocab_size * e / self.tp if self.pipelined else 0
+        return (self.norm_kept_bytes() + m.dim * e + logits_kept) * t + self.loss_saved_bytes()
+
+    def loss_saved_bytes(self) -> float:
+        """The unfused cross-entropy's saved fp32 log-softmax (local logits' size), part of the head's
+        activations and gone once the loss's backward has run, before the head's weight gradient
+        exists: a trace of pp 2's last stage at 2/2/2 peaked as the head's gradient was copied into its
+        flat buffer 63 MiB below the head's activations plus its gradient pair (T x V x 4 = 62.5 MiB).
+        The fused head keeps no log-softmax: nothing."""
+        if self.head_loss_fused:
+            return 0.0
+        return self.tokens_per_micro_batch * self.model.vocab_size / self.tp * 4
 
     def head_forward_only_bytes(self) -> float:
         """The fused head's forward working tensors that are gone before its backward: in bf16/fp16 the
@@ -316,26 +330,17 @@ class Workload:
         then the one in flight; cost_model.bucket_events), where the model has a head of its own: the
         fused head alone has dropped its forward's working tensors; the last block fills once the head's
         backward freed the head's activations; the next block once the last block's are gone too.
-        Nothing where frees_activations_in_backward says no (the untied embedding's own credit:
-        CostModel.bucket_pair_offsets)."""
-        if not self.frees_activations_in_backward:
-            return 0.0
+        Measured with tp = pp = 1 (H100, pretend world of 8: the plans with g > 1 were over-predicted by
+        18-21% without it) and, since 28 Nov, at tp 2 (a trace of tp 2 at 1/2/2 peaks, 739 MiB above
+        the build, at the wait of the head's reduce-scatter while the last block's is launched: the
+        head's activations are gone; the fidelity row moved from +7.9% to +2.1% with the credit)."""
         if roles == ("head",):
-            return self.head_forward_only_bytes()
+            return self.head_forward_only_bytes() + self.loss_saved_bytes()
         if roles == ("block", "head"):
             return self.head_activation_bytes()
         if roles == ("block", "block"):
             return self.head_activation_bytes() + self.layer_activation_bytes()
         return 0.0
-
-    @property
-    def frees_activations_in_backward(self) -> bool:
-        """Whether the gradient-bucket events are priced beside only the activations still alive when
-        they happen (the head's and the last block's are freed once their backward is done) rather than
-        beside all of them. Measured with tp = pp = 1 (H100, pretend world of 8: the plans with g > 1 were
-        over-predicted by 18-21% without it); elsewhere the planner keeps the side that does not
-        under-predict."""
-        return self.tp == 1 and self.pp == 1
 
     def loss_backward_transient_bytes(self) -> float:
         """The unfused cross-entropy's backward on the last stage, before any parameter gradient
@@ -365,20 +370,16 @@ class Workload:
         hidden = self.tokens_per_micro_batch * self.model.dim * self.act_bytes * self.stream_fraction
         return self.micro_batches * hidden * ((not first) + (not last))
 
-    @property
-    def embedding_gradient_comes_last(self) -> bool:
-        """Whether the (untied) embedding's gradient pair is priced beside only what is alive at the end
-        of a backward (activation_bytes_at_embedding_backward) rather than beside the full activations.
-        Not with tp > 1: the first stage of tp 2 x pp 2 peaks at the start of a backward with two
-        micro-batches in flight (traced), 4.4% above the prediction with the credit and 3.9% under the
-        one without it (scripts/bench/joint_memory_caps.py --fidelity, 25 Nov, TP layers priced as
-        saved): the planner keeps the side that does not under-predict."""
-        return self.tp == 1
-
     def activation_bytes_at_embedding_backward(self) -> float:
-        """What is alive when the embedding's gradient arrives, the last of a micro-batch's backward:
-        the other micro-batches in flight (1F1B keeps pp of them on the first stage) and the pipeline's
-        buffers; with pp = 1 nothing of the activations."""
+        """What is alive when the (untied) embedding's gradient arrives, the last of a micro-batch's
+        backward: the other micro-batches in flight (1F1B keeps pp of them on the first stage) and the
+        pipeline's buffers; with pp = 1 nothing of the activations. The embedding's gradient pair is
+        priced beside this rather than beside the full activations, at any tp. Until 28 Nov not with
+        tp > 1 (a 25 Nov trace of tp 2 x pp 2's first stage read 4.4% over the prediction with this
+        credit, TP layers then priced as saved); a 28 Nov trace of tp 2 at 2/2/2 had the embedding's
+        pair at 558 MiB above the build against the run's peak of 670 in the head's backward, and
+        with the credit the tp 2 fidelity rows moved from +10.1 / +7.9 / +6.4% to +7.4 / +2.1 / -1.2%
+        (tp 2 x pp 2's first stage the last)."""
         in_flight = self.micro_batches_in_flight()
         per_mb = self.layers * self.layer_activation_bytes() + self.head_activation_bytes()
         return (in_flight - 1) * per_mb + self.pipeline_buffer_bytes()

@@ -169,12 +169,12 @@ def test_gradient_buckets_follow_the_gradient_degree():
     # pp = 1: the embedding's pair arrives after the activations are gone, so it is charged against them
     credit = m.bucket_pair_offsets()[m.buffer_pairs().index(("embedding", "block"))]
     assert w.activation_bytes_at_embedding_backward() == 0 and credit == m.constant_memory()["activations"]
-    # tp = pp = 1: each event is priced beside what is still alive then (Workload.frees_activations_in_backward):
+    # each event is priced beside what is still alive then (Workload.activations_freed_before):
     # the last block fills once the head's backward freed its activations, the next block once the last
     # block's are gone too; the head alone once its forward's fp32 working tensors are gone
     head, layer, working = w.head_activation_bytes(), w.layer_activation_bytes(), w.block_backward_transient_bytes()
     head_fwd = w.head_forward_only_bytes()
-    assert w.frees_activations_in_backward and head_fwd == 2 * vocab * 4  # bf16 on CPU: fp32 W copy + d/dW
+    assert head_fwd == 2 * vocab * 4  # bf16 on CPU: fp32 W copy + d/dW
     g1 = m.evaluate(Plan(Degrees(1, 1, 8), Degrees(1, 1, 8), name="x")).memory["buckets"]
     # g = 1: one bf16 autograd gradient per unit (the block's largest matrix), the block's backward working
     # tensors; here every event is below what was freed before it, so the activations alone are the peak
@@ -185,12 +185,14 @@ def test_gradient_buckets_follow_the_gradient_degree():
     # ... and the block's largest gradient, being copied into its buffer while the head's is in flight
     assert g8 == pytest.approx(max(flat + ffn * 2 + working - head, 0.0), rel=1e-3)
     assert g1 <= g8
-    # without the credits (tp > 1 here) a block's fill is charged beside all the activations
-    nocredit = workload("tiny", seq_len=128, mbs=2, micro_batches=2, precision="bf16", tp=2)
-    assert not nocredit.frees_activations_in_backward
+    # at tp > 1 too (traced at tp 2): the last block fills once the head's activations are gone
+    tp2w = workload("tiny", seq_len=128, mbs=2, micro_batches=2, precision="bf16", tp=2)
+    assert tp2w.activations_freed_before(("block", "head")) == tp2w.head_activation_bytes() > 0
     grid_matches_evaluate(m)
     tp2 = CostModel(workload("tiny", seq_len=128, mbs=2, micro_batches=2, precision="bf16", tp=2), flat_cluster(1, 8))
-    assert not any(tp2.bucket_pair_offsets())  # tp > 1: no credit (Workload.embedding_gradient_comes_last)
+    # the embedding's pair comes last at tp > 1 too (traced at tp 2): charged against all the activations
+    tp2_credit = tp2.bucket_pair_offsets()[tp2.buffer_pairs().index(("embedding", "block"))]
+    assert tp2_credit == tp2.constant_memory()["activations"] > 0
     unfused = workload("tiny", seq_len=128, mbs=2, micro_batches=2, precision="bf16", kernels=EAGER_LOSS)
     assert unfused.largest_param_numel("head") == vocab
     # the eager head fills first, alone: its flat buffer and its vocab x dim autograd gradient in copy
@@ -203,7 +205,9 @@ def test_gradient_buckets_follow_the_gradient_degree():
 
 def test_head_memory_follows_the_loss_path_that_runs():
     """The fused linear + cross-entropy keeps d/dW and d/dh (and runs one fp32 chunk of logits) where the
-    eager head keeps the logits twice and its backward holds 2 more fp32 logits (tp = pp = 1)."""
+    eager head keeps the cross-entropy's fp32 log-softmax alone (the logits are freed: measured on CPU,
+    fp32 and bf16) and its backward holds 2 more fp32 logits (tp = pp = 1); a pipeline stage keeps its
+    output logits too."""
     from amsp.planner.workload import FUSED_CHUNK_LOGITS
 
     fused = workload("tiny", seq_len=256, mbs=2, micro_batches=1, precision="fp32")
@@ -211,8 +215,10 @@ def test_head_memory_follows_the_loss_path_that_runs():
     m, t = fused.model, 512
     rows = min(t, FUSED_CHUNK_LOGITS // m.vocab_size)
     assert fused.head_activation_bytes() == m.vocab_size * m.dim * 4 + m.dim * 4 * t + rows * m.vocab_size * 4
-    # the fused norm's input, the projection's input, the logits and their fp32 log-softmax
-    assert eager.head_activation_bytes() == (2 * m.dim * 4 + m.vocab_size * 8) * t
+    # the fused norm's input, the projection's input and the fp32 log-softmax, gone before the head's
+    # weight gradient exists (the credit of the head's bucket event)
+    assert eager.head_activation_bytes() == (2 * m.dim * 4 + m.vocab_size * 4) * t
+    assert eager.activations_freed_before(("head",)) == eager.loss_saved_bytes() == m.vocab_size * 4 * t
     assert fused.loss_backward_transient_bytes() == 0
     assert eager.loss_backward_transient_bytes() == 2 * t * m.vocab_size * 4
     # bf16 on CUDA: 4x the rows a chunk, each logit in fp32 and bf16, the fp32 d/dW accumulator during
@@ -230,6 +236,7 @@ def test_head_memory_follows_the_loss_path_that_runs():
     assert not off.head_loss_fused  # model.fused=off: the eager path, whatever the device offers
     piped = workload("tiny", seq_len=256, mbs=2, micro_batches=1, precision="fp32", pp=2)
     assert not piped.head_loss_fused  # the pipeline's loss function is never fused
+    assert piped.head_activation_bytes() == eager.head_activation_bytes() + m.vocab_size * 4 * t  # + the output
 
 
 def test_pipeline_receive_buffers_are_priced_per_stage():

@@ -177,7 +177,6 @@ class StagePricer:
         self.recv_buffers = w.pipeline_buffer_bytes(first=True, last=False, stages=s.pp)
         # one parameter's autograd gradient per unit when g = 1 (cost_model.grad_bucket_bytes)
         self.largest = {role: w.largest_param_numel(role) for role in ("embedding", "block", "head")}
-        self.embedding_last = w.embedding_gradient_comes_last
         self.head_fused = w.head_loss_fused
         # activations freed before a gradient bucket peaks (Workload.activations_freed_before), per
         # recomputation, and a block's backward working tensors beside its filling buffer
@@ -261,8 +260,8 @@ class StagePricer:
                 grad_pairs[i] -= freed.get((roles[i], roles[i + 1]), 0.0)
             grad_pairs[-1] -= freed[("head",)]
         # the untied embedding's pair arrives last in the backward, beside only the other micro-batches
-        # in flight and the receive buffers (Workload.embedding_gradient_comes_last)
-        last = embed and not tied_here and len(order) > 1 and self.embedding_last
+        # in flight and the receive buffers (Workload.activation_bytes_at_embedding_backward)
+        last = embed and not tied_here and len(order) > 1
         emb_pair = grad_pairs.pop(0) if last else None
         buckets = max(grad_pairs + [self.loss_backward if head else 0.0])
         own_sync = deg.os > deg.g or prec.grad_bytes != 4  # else the OS gradient is a view of the G shard
