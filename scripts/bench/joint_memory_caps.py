@@ -25,6 +25,7 @@ A group's own usage counter is no peak here: it fills with reclaimable page cach
     python scripts/bench/joint_memory_caps.py --cap-mib 1400,1200 --limit 4
     python scripts/bench/joint_memory_caps.py --fidelity --json /tmp/jm/fidelity.json   # no cgroups needed
     python scripts/bench/joint_memory_caps.py --reprice /tmp/jm/fidelity.json   # the same runs, this model
+    python scripts/bench/joint_memory_caps.py --reprice-caps /tmp/jm/caps.json  # the same outcomes, this model
 """
 from __future__ import annotations
 
@@ -123,36 +124,40 @@ def load_parallel_runtime() -> None:
     import torch.distributed.tensor.parallel  # noqa: F401
 
 
+# rank_shim's cap for a run measured inside memory groups without a limit (runtime_reserve): what the
+# groups are charged for, kernel memory included, beside the fidelity mode's peaks
+MEASURED_IN_GROUPS = -1
+
+
 def rank_shim(cap_mib: int, tag_dir: str, argv: list[str]) -> None:
-    """This rank's own memory group at the cap (cap 0: uncapped, peak above the build measured), then
-    train.py in this process. The group is charged only for the pages touched after the join: the
-    interpreter's ~8 MiB of anonymous memory from before it stays with the parent group, so the
-    uncapped run records the anonymous memory at the same point (runtime_reserve leaves it out)."""
+    """This rank's own memory group at the cap, then train.py in this process. cap 0: no group, the
+    peak above the build measured (the fidelity mode); MEASURED_IN_GROUPS: both, the group unlimited.
+    A group is charged only for the pages touched after the join: the interpreter's ~8 MiB of
+    anonymous memory from before it stays with the parent group, so the measured runs record the
+    anonymous memory at the same point (runtime_reserve leaves it out)."""
     rank = os.environ.get("RANK", "0")
-    if cap_mib == 0:
-        anon_join_kib = vm_kib("RssAnon")
-        load_parallel_runtime()
-        mark_build_start(os.path.join(tag_dir, f"peak{rank}.json"), anon_join_kib)
-        sys.argv = ["train.py", *argv]
-        os.chdir(ROOT)
-        runpy.run_path(os.path.join(ROOT, "train.py"), run_name="__main__")
-        return
-    group = os.path.join(CGROUP, f"amspb-cap-{os.getpid()}")
-    os.makedirs(group, exist_ok=True)
-    with open(os.path.join(group, "memory.limit_in_bytes"), "w") as f:
-        f.write(str(cap_mib * MIB))
-    with open(os.path.join(group, "cgroup.procs"), "w") as f:
-        f.write(str(os.getpid()))
-    with open(os.path.join(tag_dir, f"rank{rank}"), "w") as f:
-        f.write(group)
+    if cap_mib != 0:
+        group = os.path.join(CGROUP, f"amspb-cap-{os.getpid()}")
+        os.makedirs(group, exist_ok=True)
+        if cap_mib > 0:
+            with open(os.path.join(group, "memory.limit_in_bytes"), "w") as f:
+                f.write(str(cap_mib * MIB))
+        with open(os.path.join(group, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+        with open(os.path.join(tag_dir, f"rank{rank}"), "w") as f:
+            f.write(group)
+    anon_join_kib = vm_kib("RssAnon")
     load_parallel_runtime()  # inside the group: charged to it, as the reserve counts it
+    if cap_mib <= 0:
+        mark_build_start(os.path.join(tag_dir, f"peak{rank}.json"), anon_join_kib)
     sys.argv = ["train.py", *argv]
     os.chdir(ROOT)
     runpy.run_path(os.path.join(ROOT, "train.py"), run_name="__main__")
 
 
 def read_groups(tag_dir: str) -> list[dict]:
-    """Per rank: OOM kills and peak bytes of its group; the groups are removed."""
+    """Per rank: OOM kills, peak bytes and peak kernel memory of its group (cgroup v1 charges a group's
+    page tables, socket buffers and slab against its limit); the groups are removed."""
     out = []
     for name in sorted(os.listdir(tag_dir)):
         if not name.startswith("rank"):
@@ -160,7 +165,9 @@ def read_groups(tag_dir: str) -> list[dict]:
         group = open(os.path.join(tag_dir, name)).read().strip()
         oom = dict(line.split() for line in open(os.path.join(group, "memory.oom_control")))
         peak = int(open(os.path.join(group, "memory.max_usage_in_bytes")).read())
-        out.append({"rank": name, "oom_kills": int(oom.get("oom_kill", 0)), "peak_bytes": peak})
+        kmem = int(open(os.path.join(group, "memory.kmem.max_usage_in_bytes")).read())
+        out.append({"rank": name, "oom_kills": int(oom.get("oom_kill", 0)), "peak_bytes": peak,
+                    "kmem_peak_bytes": kmem})
         for _ in range(50):  # the group empties once its processes are reaped
             try:
                 os.rmdir(group)
@@ -172,7 +179,7 @@ def read_groups(tag_dir: str) -> list[dict]:
 
 def run(tp: int, pp: int, deg, mbs: int, cap_mib: int, extra: list[str], workdir: str, prefix: str = "",
         tag_dir: str | None = None) -> dict:
-    """cap_mib 0: no memory groups (the fidelity mode's uncapped run)."""
+    """cap_mib 0: no memory groups (the fidelity mode's uncapped run); MEASURED_IN_GROUPS: unlimited ones."""
     name = f"{prefix}tp{tp}pp{pp}_{'-'.join(map(str, deg))}_mbs{mbs}"
     tag_dir = tag_dir or tempfile.mkdtemp(dir=workdir)
     args = [*extra, f"parallel.tp={tp}", f"parallel.pp={pp}", f"amsp.p={deg[0]}", f"amsp.g={deg[1]}",
@@ -185,10 +192,10 @@ def run(tp: int, pp: int, deg, mbs: int, cap_mib: int, extra: list[str], workdir
     env = {**os.environ, **RANK_ENV}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     groups = read_groups(tag_dir)
-    if cap_mib == 0:
+    if cap_mib <= 0:
         if proc.returncode != 0:
             raise SystemExit(f"{name} failed ({proc.returncode}): {(proc.stderr + proc.stdout)[-1500:]}")
-        return {}
+        return {"groups": groups}
     oom = any(g["oom_kills"] for g in groups)
     peak = None
     metrics = os.path.join(workdir, name, "metrics.jsonl")
@@ -227,18 +234,23 @@ def runtime_reserve(workdir: str, runs: int = 3) -> float:
     """MiB the runtime holds outside the model's tensors, per rank: a debug-sized run of the same launcher,
     its anonymous resident memory before the build (torch, process groups, data) plus the anonymous
     memory its steps added, less what the rank held where a capped one joins its group (the group is
-    not charged for it: 8 MiB, until 28 Nov counted), the largest rank; the median of `runs` launches
-    (one launch in a few reads ~150 MiB high: 436 and 423 MiB against 277-279 in nine others on 25 Nov).
-    Anonymous memory only: the kernel reclaims page cache and shared library pages under a cap before it kills
-    (a group's charged peak, page cache included, read 294 and 645 MiB on two runs). Until 26 Nov the steps'
-    growth was the resident set's, which counted the 13-16 MiB of file pages the steps map."""
+    not charged for it: 8 MiB, until 28 Nov counted), plus the kernel memory its group was charged
+    (page tables, socket buffers, slab: 6-14 MiB per rank on 28 Nov, until then not counted), the
+    largest rank; the median of `runs` launches (one launch in a few reads ~150 MiB high: 436 and 423 MiB
+    against 277-279 in nine others on 25 Nov). Of user memory, the anonymous only: the kernel reclaims
+    page cache and shared library pages under a cap before it kills (a group's charged peak, page cache
+    included, read 294 and 645 MiB on two runs). Until 26 Nov the steps' growth was the resident set's,
+    which counted the 13-16 MiB of file pages the steps map."""
     seen = []
     for i in range(runs):  # a run directory of its own each: the same name would resume the previous launch
         tag_dir = tempfile.mkdtemp(dir=workdir)
-        run(1, 1, (1, 1, 1), 1, 0, ["model=debug", "data.seq_len=64", "trainer.global_batch_size=8"], workdir,
-            prefix=f"runtime{i}_", tag_dir=tag_dir)
+        got = run(1, 1, (1, 1, 1), 1, MEASURED_IN_GROUPS, ["model=debug", "data.seq_len=64",
+                                                           "trainer.global_batch_size=8"],
+                  workdir, prefix=f"runtime{i}_", tag_dir=tag_dir)
+        kmem = {g["rank"]: g["kmem_peak_bytes"] / MIB for g in got["groups"]}
         ranks = [json.load(open(os.path.join(tag_dir, f"peak{r}.json"))) for r in range(4)]
-        seen.append(max(g["anon_base_mib"] - g["anon_join_mib"] + anon_growth_mib(g) for g in ranks))
+        seen.append(max(g["anon_base_mib"] - g["anon_join_mib"] + anon_growth_mib(g) + kmem[f"rank{r}"]
+                        for r, g in enumerate(ranks)))
     print(f"runtime reserve per launch: {', '.join(f'{x:.0f}' for x in seen)} MiB", file=sys.stderr)
     return statistics.median(seen)
 
@@ -324,6 +336,30 @@ def reprice(path: str) -> int:
     return 0
 
 
+def reprice_caps(path: str, reserve_mib: float | None) -> int:
+    """A caps run's outcomes (each configuration OOM-killed or not under each cap: facts that do not
+    depend on the planner) decided again by this checkout's memory model with a reserve measured now
+    (or given): precision and recall over all runs and per cap."""
+    rows = json.load(open(path))["rows"]
+    if reserve_mib is None:
+        with tempfile.TemporaryDirectory() as work:
+            reserve_mib = runtime_reserve(work)
+    peaks = {}
+    for r in rows:
+        c = (r["tp"], r["pp"], tuple(r["degrees"]), r["mbs"])
+        if c not in peaks:
+            peaks[c] = stage_peaks(*c, reserve_mib * MIB, MODEL) / MIB
+        r["predicted_mib"], r["predicted_fits"] = peaks[c], peaks[c] <= r["cap_mib"]
+        if r["predicted_fits"] == r["oom"] or abs(peaks[c] - r["cap_mib"]) < 25:
+            print(f"cap {r['cap_mib']}: {c} predicted {peaks[c]:.1f} MiB "
+                  f"({'fits' if r['predicted_fits'] else 'OOM'}), ran {'OOM' if r['oom'] else 'lived'}")
+    caps = sorted({r["cap_mib"] for r in rows})
+    print(json.dumps({"reserve_mib": reserve_mib, "all_caps": decisions(rows),
+                      "per_cap": {str(cap): decisions([r for r in rows if r["cap_mib"] == cap]) for cap in caps}},
+                     indent=1))
+    return 0
+
+
 def quantile(xs: list[float], q: float) -> float:
     """The q-quantile of sorted xs, linear between neighbours (q 0.5: the median)."""
     pos = q * (len(xs) - 1)
@@ -353,6 +389,9 @@ def main() -> int:
                     help="no caps: each rank's peak above its pre-build resident set against its stage's "
                          "predicted tensors (no margin, no reserve)")
     ap.add_argument("--reprice", metavar="JSON", help="price a --fidelity run's measurements again (no runs)")
+    ap.add_argument("--reprice-caps", metavar="JSON",
+                    help="decide a caps run's outcomes again with this model and a reserve measured now")
+    ap.add_argument("--reserve-mib", type=float, help="with --reprice-caps: this reserve instead of measuring one")
     ap.add_argument("--rank-shim", type=int, help=argparse.SUPPRESS)  # internal: one capped rank
     ap.add_argument("--tag-dir", help=argparse.SUPPRESS)
     ap.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
@@ -364,6 +403,8 @@ def main() -> int:
         return reprice(a.reprice)
     if not os.access(CGROUP, os.W_OK):
         raise SystemExit(f"{CGROUP} is not writable: needs root and a cgroup-v1 memory controller")
+    if a.reprice_caps:
+        return reprice_caps(a.reprice_caps, a.reserve_mib)
     t0 = time.time()
     configs = CONFIGS[:a.limit] if a.limit else CONFIGS
     if a.only:
