@@ -353,10 +353,7 @@ def reprice_caps(path: str, reserve_mib: float | None) -> int:
         if r["predicted_fits"] == r["oom"] or abs(peaks[c] - r["cap_mib"]) < 25:
             print(f"cap {r['cap_mib']}: {c} predicted {peaks[c]:.1f} MiB "
                   f"({'fits' if r['predicted_fits'] else 'OOM'}), ran {'OOM' if r['oom'] else 'lived'}")
-    caps = sorted({r["cap_mib"] for r in rows})
-    print(json.dumps({"reserve_mib": reserve_mib, "all_caps": decisions(rows),
-                      "per_cap": {str(cap): decisions([r for r in rows if r["cap_mib"] == cap]) for cap in caps}},
-                     indent=1))
+    print(json.dumps({"reserve_mib": reserve_mib, **decisions_by_cap(rows)}, indent=1))
     return 0
 
 
@@ -375,6 +372,13 @@ def decisions(rows: list[dict]) -> dict:
     return {"runs": len(rows), "oom_runs": sum(r["oom"] for r in rows), "false_alarms": false_alarm,
             "missed": missed, "precision": hit / (hit + false_alarm) if hit + false_alarm else float("nan"),
             "recall": hit / (hit + missed) if hit + missed else float("nan")}
+
+
+def decisions_by_cap(rows: list[dict]) -> dict:
+    """decisions() over all runs and per cap."""
+    caps = sorted({r["cap_mib"] for r in rows})
+    return {"all_caps": decisions(rows),
+            "per_cap": {str(cap): decisions([r for r in rows if r["cap_mib"] == cap]) for cap in caps}}
 
 
 def main() -> int:
@@ -429,8 +433,7 @@ def main() -> int:
                       f"MiB ({'fits' if fits else 'OOM'}), run {'OOM' if got['oom'] else 'lived'} at "
                       f"peak RSS {got['peak_rss_mib'] or 0:.0f} MiB", file=sys.stderr)
     summary = {"caps_mib": caps, "reserve_mib": reserve_mib, "configs": len(configs),
-               "all_caps": decisions(rows), "per_cap": {str(cap): decisions([r for r in rows if r["cap_mib"] == cap])
-                                                        for cap in caps},
+               **decisions_by_cap(rows),
                "lived": [(r["cap_mib"], r["tp"], r["pp"], r["degrees"], r["mbs"], round(r["predicted_mib"]),
                           round(r["peak_rss_mib"])) for r in rows if not r["oom"] and r["peak_rss_mib"]],
                "wall_s": time.time() - t0}
