@@ -32,7 +32,6 @@ from amsp.launch import DistEnv, init_distributed, log_backend_choices
 from amsp.metrics import MetricsLogger, StepTimer, resolve_peak
 from amsp.metrics.logger import drop_rows_after
 from amsp.metrics.plan_config import log_plan, log_switch
-from amsp.metrics.plot import plot_run
 from amsp.metrics.wandb_logger import WandbLogger
 from amsp.build import engine_from_config, plan_from_config, topology_from
 from amsp.compile_choice import resolve_auto_compile
@@ -428,6 +427,9 @@ def run(cfg: DictConfig) -> None:
 
     wandb_run.finish()
     if denv.is_main and cfg.logging.plot:
+        # imported here: matplotlib costs every rank ~0.6 s of start-up CPU, and only rank 0 plots
+        from amsp.metrics.plot import plot_run
+
         log.info("metrics plot: %s", plot_run(run_dir))
     if dist.is_initialized():
         dist.destroy_process_group()
