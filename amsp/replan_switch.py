@@ -169,7 +169,8 @@ class Replanner:
         cluster2, options2 = rp.refitted_inputs(cluster, options, fit)
         current = CostModel(workload, cluster2, options2).evaluate(self.plan)
         best = plan_cluster(workload, cluster2, options2, top_k=1, with_presets=False).chosen
-        decision = rp.decide(current, best, self.user_named, joint=self.joint)
+        decision = rp.decide(current, best, self.user_named, joint=self.joint,
+                             min_gain=float(self.cfg.amsp.planner.replan_min_gain))
         switch = decision.switch and self.replan
         why = decision.reason if decision.switch == switch else (
             f"{decision.reason}, but amsp.planner.replan=false: report only")

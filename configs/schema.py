@@ -156,8 +156,11 @@ class PlannerConfig:
     # After this many steps the run compares measured step time and memory with the prediction, logs
     # the error, refits the model's constants and re-solves (amsp/replan_switch.py); 0 = never.
     recheck_steps: int = 20
-    # Switch to a plan predicted >= 5% faster at the next checkpoint (only a plan the planner chose).
+    # Switch to a plan predicted >= replan_min_gain faster at the next checkpoint (only a plan the planner
+    # chose).
     replan: bool = False
+    # The least predicted gain worth a switch, which costs a checkpoint and a reload (0.05: 5% faster).
+    replan_min_gain: float = 0.05
     # When the startup did not probe the links (probe=false), the recheck does (probe_budget_s) before it
     # refits: a step time alone cannot tell a wrong intra-node figure from a wrong inter-node one.
     recheck_probe: bool = True

@@ -116,6 +116,7 @@ RULES: tuple[Rule, ...] = (
     finite_at_least("amsp.planner.probe_budget_s", 0, strict=True),
     int_at_least("amsp.planner.probe_max_mib", 1),
     int_at_least("amsp.planner.recheck_steps", 0),
+    Rule("amsp.planner.replan_min_gain", "a finite number in [0, 1)", lambda v: _number(v) and 0 <= v < 1),
     finite_at_least("amsp.planner.time_limit_s", 0, strict=True),
     int_at_least("parallel.tp", 1),
     int_at_least("parallel.pp", 1),

@@ -39,6 +39,7 @@ def test_every_rule_names_a_real_field():
     ("model.compile", "yes", "one of auto|on|off"),
     ("amsp.p", 0, ">= 1"),
     ("amsp.planner.memory_margin", 1.5, "in [0, 1)"),
+    ("amsp.planner.replan_min_gain", -0.1, "in [0, 1)"),
     ("logging.wandb.mode", "sometimes", "online|offline|disabled"),
     ("data.split", [0.0, 2.0], "positive train share"),
     ("optim.min_lr_ratio", 1.5, "in [0, 1]"),

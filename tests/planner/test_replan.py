@@ -98,6 +98,7 @@ def test_decide_needs_five_percent_and_a_planner_plan():
     current, better, marginal = _priced(1.0, "zero3"), _priced(0.94, "ddp"), _priced(0.96, "ddp")
     assert rp.decide(current, better, user_named=False).switch
     assert not rp.decide(current, marginal, user_named=False).switch
+    assert rp.decide(current, marginal, user_named=False, min_gain=0.0).switch  # amsp.planner.replan_min_gain
     named = rp.decide(current, better, user_named=True)
     assert not named.switch and "named by the user" in named.reason
     joint = rp.decide(current, better, user_named=False, joint=True)  # parallel.auto's plan: reported, not switched

@@ -25,14 +25,15 @@ def test_wrong_prior_switches_plan_with_the_same_losses(tmp_path):
     run = tmp_path / "replan"
     # The recheck times the links the startup did not (amsp.planner.recheck_probe, on by default), which
     # takes up the prior's 10x error, and refits the rest; the refit alone is test_replan.py's.
+    # Whether the refitted gain passes the default 5% depends on gloo timings of a debug model on the
+    # machine (on a shared 2-core host it lands near it: 2.2% on 28 Nov); any predicted gain switches here,
+    # so the switch and its losses are checked on every host (the 5% rule: test_replan.py's decide cases).
     proc = train(run, f"trainer.max_steps={STEPS}", "amsp.planner.recheck_steps=3", "amsp.planner.replan=true",
-                 *WRONG_PRIOR, nproc=2)
+                 "amsp.planner.replan_min_gain=0", *WRONG_PRIOR, nproc=2)
     record = json.loads((run / "replan.json").read_text())[-1]
     assert "planner recheck after 3 steps" in proc.stdout
     assert record["measured"]["steps"] == 3 and record["links_probed_at_recheck"], record
-    if not record["switch"]:  # only this is left to the host: a failed switch (a crash) fails the test
-        pytest.xfail("whether the refitted gain passes 5% depends on gloo timings of a debug model on the "
-                     f"machine; on a shared 2-core host it lands near the threshold: {record['reason']}")
+    assert record["switch"], record
     k = record["switched_at_step"]
     assert k == 4 and f"switching from {record['from']} to {record['to']} at step {k}" in proc.stdout
     replanned = losses(run)
@@ -79,12 +80,12 @@ def test_switch_at_an_async_periodic_checkpoint_keeps_every_rank_together(tmp_pa
     run = tmp_path / "async"
     proc = train(run, "trainer.max_steps=12", "amsp.planner.recheck_steps=3", "amsp.planner.replan=true",
                  "trainer.async_checkpoint=true", "trainer.checkpoint_interval=5", "amsp.planner.probe=false",
-                 "cluster.intra_bandwidth_gbs=20", "cluster.intra_latency_us=5", nproc=2, timeout=300)
+                 "cluster.intra_bandwidth_gbs=20", "cluster.intra_latency_us=5", "amsp.planner.replan_min_gain=0",
+                 nproc=2, timeout=300)
     assert "no checkpoint at step" not in proc.stdout + proc.stderr
     assert sorted(losses(run)) == list(range(1, 13))
     record = json.loads((run / "replan.json").read_text())[-1]
-    if not record["switch"]:
-        pytest.xfail(f"no switch on this host's timings: {record['reason']}")
+    assert record["switch"], record
     assert f"switching from {record['from']} to {record['to']} at step 5" in proc.stdout
 
 
