@@ -1,7 +1,10 @@
 """The one helper every distributed test uses: spawn N gloo ranks on a free port, run a function.
 
 Spawning costs seconds per rank (torch import), so tests run many cases inside one group: pass a
-function that loops over cases and returns what each rank saw.
+function that loops over cases and returns what each rank saw. Ranks start from a fork server that has
+imported torch once (multiprocessing's "forkserver", torch preloaded): a fresh interpreter each, as with
+"spawn", without each paying the import. The fork server keeps the environment it started with, so
+each rank takes the caller's environment as it is at the call.
 
 Each rank sets up what amsp.launch.init_distributed would: the control plane (amsp.control) with the
 same timeout as the default group, and the routing checker when AMSP_CHECK_ROUTING=1 (tests/conftest.py
@@ -24,7 +27,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, env: dict, queue) -> None:
+# A rank forks from this server (started at the first call) rather than importing torch itself.
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed"])
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, caller_env: dict, env: dict,
+            queue) -> None:
+    os.environ.clear()  # the fork server's environment is the one it started with: the caller's instead
+    os.environ.update(caller_env)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
     os.environ.update(env)
@@ -51,13 +62,13 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                     env: dict | None = None) -> list[Any]:
     """Run fn(rank, world_size, *args) on world_size gloo ranks; return per-rank results.
 
-    fn must be importable at module level (spawn pickles it by name). Any rank's exception is
+    fn must be importable at module level (it is pickled by name). Any rank's exception is
     re-raised here with its traceback; a group that does not finish in `timeout` is killed.
     """
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    queue = _CONTEXT.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, dict(env or {}), queue), daemon=True)
+    procs = [_CONTEXT.Process(target=_worker, args=(r, world_size, port, fn, args, dict(os.environ), dict(env or {}),
+                                                    queue), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
