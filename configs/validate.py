@@ -50,8 +50,8 @@ def finite_at_least(key: str, low: float, strict: bool = False, optional: bool =
     return Rule(key, f"a finite number >= {low:g}", lambda v: _number(v) and v >= low, optional)
 
 
-def in_unit_interval(key: str) -> Rule:
-    return Rule(key, "a finite number in [0, 1)", lambda v: _number(v) and 0 <= v < 1)
+def in_unit_interval(key: str, optional: bool = False) -> Rule:
+    return Rule(key, "a finite number in [0, 1)", lambda v: _number(v) and 0 <= v < 1, optional)
 
 
 def one_of(key: str, *choices: str) -> Rule:
@@ -107,7 +107,7 @@ RULES: tuple[Rule, ...] = (
     *(int_at_least(f"amsp.{k}", 1, optional=True)
       for k in ("p", "g", "os", "embed_head_p", "embed_head_g", "embed_head_os")),
     finite_at_least("amsp.planner.mfu", 0, strict=True),
-    Rule("amsp.planner.memory_margin", "a finite number in [0, 1)", lambda v: _number(v) and 0 <= v < 1, True),
+    in_unit_interval("amsp.planner.memory_margin", optional=True),
     finite_at_least("amsp.planner.reserved_gib", 0),
     int_at_least("amsp.planner.tp", 1),
     int_at_least("amsp.planner.pp", 1),
@@ -116,7 +116,7 @@ RULES: tuple[Rule, ...] = (
     finite_at_least("amsp.planner.probe_budget_s", 0, strict=True),
     int_at_least("amsp.planner.probe_max_mib", 1),
     int_at_least("amsp.planner.recheck_steps", 0),
-    Rule("amsp.planner.replan_min_gain", "a finite number in [0, 1)", lambda v: _number(v) and 0 <= v < 1),
+    in_unit_interval("amsp.planner.replan_min_gain"),
     finite_at_least("amsp.planner.time_limit_s", 0, strict=True),
     int_at_least("parallel.tp", 1),
     int_at_least("parallel.pp", 1),
