@@ -41,11 +41,15 @@ def _read(path: str) -> str | None:
 
 def sample_groups(tag_dir: str, best: dict, stop: threading.Event) -> None:
     """Per rank file in tag_dir: the sample where anonymous + kernel memory was largest."""
+    groups: dict[str, str] = {}  # rank file -> its group's directory, read once the rank has joined
     while not stop.wait(0.05):
-        for name in (n for n in os.listdir(tag_dir) if n.startswith("rank")):
+        for name in (n for n in os.listdir(tag_dir) if n.startswith("rank") and n not in groups):
             group = _read(os.path.join(tag_dir, name))
-            kmem = _read(os.path.join(group.strip(), "memory.kmem.usage_in_bytes")) if group else None
-            stat = _read(os.path.join(group.strip(), "memory.stat")) if group else None
+            if group:
+                groups[name] = group.strip()
+        for name, group in groups.items():
+            kmem = _read(os.path.join(group, "memory.kmem.usage_in_bytes"))
+            stat = _read(os.path.join(group, "memory.stat"))
             if kmem is None or stat is None:
                 continue
             anon = int(dict(line.split() for line in stat.splitlines())["rss"])
