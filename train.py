@@ -27,6 +27,7 @@ from amsp import control
 from amsp.checkpoint import CheckpointManager
 from amsp.compile import compile_seconds
 from amsp.errors import EXIT_INPUT, InputError, RunError, one_line_errors
+from amsp.exit_gc import skip_shutdown_gc_passes
 from amsp.init_from import init_weights_from
 from amsp.launch import DistEnv, init_distributed, log_backend_choices
 from amsp.metrics import MetricsLogger, StepTimer, resolve_peak
@@ -500,5 +501,6 @@ def precheck_overrides(args: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    skip_shutdown_gc_passes()
     precheck_overrides(sys.argv[1:])
     main()
