@@ -275,11 +275,13 @@ class NetnsCluster:
         """Run `argv` as ranks_per_node ranks in every node; wait at most timeout_s, then kill all.
 
         Each rank gets RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT (the
-        torchrun contract that amsp.launch reads), GLOO_SOCKET_IFNAME and thread limits.
+        torchrun contract that amsp.launch reads), GLOO_SOCKET_IFNAME and thread limits. Each rank's output
+        is in the result; its file rank<N>.log stays in log_dir when one is given.
         """
         if not self._up:
             raise HarnessError("cluster is not up")
         world = self.nodes * ranks_per_node
+        own_dir = log_dir is None  # the logs are returned in the result: a folder of our own is removed after
         log_dir = log_dir or tempfile.mkdtemp(prefix="amspb-logs-")
         ranks, logs = [], []
         before = self.read_counters()
@@ -317,6 +319,8 @@ class NetnsCluster:
         for (rank, node, path), p in zip(logs, ranks):
             with open(path, errors="replace") as f:
                 results.append(RankResult(rank, node, p.returncode, f.read()))
+        if own_dir:
+            shutil.rmtree(log_dir, ignore_errors=True)
         return LaunchResult(results, wall, timed_out, self.counter_delta(before, after))
 
 

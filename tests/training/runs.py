@@ -22,8 +22,9 @@ def train(run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = 600, 
     if nproc == 1:
         cmd = [sys.executable, "train.py", *args]
     else:
+        # torchrun's own files (one folder per launch, kept) go beside the run, not into /tmp
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "train.py", *args]
+               f"--log-dir={run_dir.parent / 'torchrun'}", "train.py", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
