@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,14 +20,16 @@ BASE = ["model=debug", "model.vocab_size=8192", "data.seq_len=32", "trainer.glob
 def train(run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = 600, check: bool = True,
           ranks_per_node: int | None = None) -> subprocess.CompletedProcess:
     args = [f"trainer.output_dir={run_dir.parent}", f"trainer.run_name={run_dir.name}", *BASE, *overrides]
-    if nproc == 1:
-        cmd = [sys.executable, "train.py", *args]
-    else:
-        # torchrun's own files (one folder per launch, kept) go beside the run, not into /tmp
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               f"--log-dir={run_dir.parent / 'torchrun'}", "train.py", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    # torchrun keeps a folder of its own per launch, in /tmp unless told: here one that goes with the call
+    # (not beside the run: some tests make the run's folder read-only)
+    with tempfile.TemporaryDirectory(prefix="torchrun-") as logs:
+        if nproc == 1:
+            cmd = [sys.executable, "train.py", *args]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                   f"--log-dir={logs}", "train.py", *args]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
