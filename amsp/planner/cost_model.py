@@ -54,7 +54,8 @@ by their degrees) are held throughout; forward/backward adds the largest set of 
 gathered units, the activations and the gradient buckets (a pair of units' flat reduce-scatter
 buffers when g > 1, one parameter's autograd gradient when g = 1; or, where larger, the unfused loss
 backward's transient on the last stage, which runs before any gradient exists); the optimizer step adds the OS-shard
-gradients held from the sync to the update (grad_sync), when the activations are gone; the
+gradients held from the sync to the update (grad_sync), when the activations are gone, and on CPU gloo's
+copies of the two neighbouring G shards whose G->OS reduce-scatters are in flight (sync_copy_bytes); the
 parameter spread's window joins forward/backward when it overlaps the next forward
 (Options.overlap_spread), else it follows the update, which has freed the OS-shard gradients, so the
 step phase is the larger of the two (evaluate() books both reuses as a negative step_reuse). A unit
@@ -81,7 +82,7 @@ from .allocator import margin_for
 from .cluster import ClusterSpec
 from .comm_time import collective_seconds
 from .compute_profile import ComputeProfile
-from .memory_events import collectives_stage_copies, event_bytes, reduce_scatter_inflight_bytes
+from .memory_events import collectives_stage_copies, event_bytes, reduce_scatter_inflight_bytes, sync_copy_bytes
 from .update_cost import ADAM_BYTES_PER_ELEM, UPDATE_HIDDEN_COST, overlapped_update_exposed
 from .workload import Workload
 
@@ -209,6 +210,7 @@ class GroupCost:
     parts: dict = field(default_factory=dict)  # params / grads / optim / grad_sync bytes
     exposed_by_phase: dict = field(default_factory=dict)
     sync_bytes: int = 0  # grad_sync: held at the optimizer step only (not in state_bytes)
+    sync_copy_bytes: dict = field(default_factory=dict)  # role -> gloo's copy while its G->OS sync is in flight
 
 
 def overlap_slowdown_of(options: Options, cluster: ClusterSpec) -> tuple[float, str]:
@@ -513,9 +515,17 @@ class CostModel:
         cast = 0 if self._master_is_weights else s // deg.os
         return (s // deg.p + cast) * self._pb
 
+    def sync_copy_bytes(self, role: str, deg: Degrees) -> float:
+        """memory_events.sync_copy_bytes for one unit of `role` (neighbouring pairs: buffer_pairs)."""
+        return sync_copy_bytes(padded_numel(self._numel[role], deg), deg, self._gb, self.collectives_stage_copies)
+
+    def peak_sync_copies(self, copies: dict) -> float:
+        """The largest neighbouring pair of units' G->OS copies in flight (role -> bytes of one unit)."""
+        return max(sum(copies[r] for r in pair) for pair in self.buffer_pairs())
+
     def group_cost(self, group: str, deg: Degrees) -> GroupCost:
         exposed, parts, by_phase, gathered = 0.0, dict.fromkeys(STATE_PARTS, 0), {}, {}
-        spread, buckets, fills, inflight = {}, {}, {}, {}
+        spread, buckets, fills, inflight, copies = {}, {}, {}, {}, {}
         comm = 0.0
         for role, count in self.roles_of(group):
             comm += count * sum(x.seconds * x.count for x in self._role_collectives(role, deg).values())
@@ -529,9 +539,10 @@ class CostModel:
             buckets[role] = self.grad_bucket_bytes(role, deg)
             fills[role] = self.grad_fill_bytes(role, deg)
             inflight[role] = self.grad_inflight_bytes(role, deg)
+            copies[role] = self.sync_copy_bytes(role, deg)
         resident = sum(v for k, v in parts.items() if k != "grad_sync")
         return GroupCost(exposed, comm, resident, gathered, spread, buckets, fills, inflight, parts, by_phase,
-                         parts["grad_sync"])
+                         parts["grad_sync"], copies)
 
     def peak_gathered(self, gathered: dict) -> int:
         """Largest pair of simultaneously gathered units (role -> bytes of one gathered unit)."""
@@ -544,7 +555,7 @@ class CostModel:
         collectives: list[Priced] = []
         exposed = {}
         parts = dict.fromkeys(STATE_PARTS, 0)
-        gathered, buckets, fills, inflight = {}, {}, {}, {}
+        gathered, buckets, fills, inflight, copies = {}, {}, {}, {}, {}
         spread = 0
         for unit, role in self.w.unit_roles():
             deg = plan.for_group(unit.group)
@@ -557,9 +568,11 @@ class CostModel:
             buckets[role] = self.grad_bucket_bytes(role, deg)
             fills[role] = self.grad_fill_bytes(role, deg)
             inflight[role] = self.grad_inflight_bytes(role, deg)
+            copies[role] = self.sync_copy_bytes(role, deg)
             spread = max(spread, self.spread_bytes(role, deg))
         collectives += self.grad_norm()
         memory = dict(parts)
+        memory["grad_sync"] += self.peak_sync_copies(copies)  # gloo's copies in the sync (memory_events)
         memory["gathered"] = self.peak_gathered(gathered)
         memory["spread"] = self.spread_window * spread
         memory["buckets"] = self.peak_grad_buckets(buckets, fills, inflight)

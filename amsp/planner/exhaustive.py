@@ -40,7 +40,10 @@ def grid(t: GroupTerms) -> tuple[np.ndarray, np.ndarray]:
         spread = term if spread is None else np.maximum(spread, term)
     # the larger phase: forward/backward transients, or the optimizer step's OS-shard gradients, or the
     # spread that follows the update (which freed them)
-    step = t.sync_bytes[0][:, None] + t.sync_bytes[1][None, :]
+    copies = 0
+    for pair in t.pairs:  # gloo's copies of neighbouring units whose G->OS syncs are in flight
+        copies = np.maximum(copies, sum(_role_axis(t, r, t.sync_copy) for r in pair))
+    step = t.sync_bytes[0][:, None] + t.sync_bytes[1][None, :] + copies
     spread = t.spread_window * spread  # in the phase where the spread is in flight
     fb = t.constant_bytes + gathered + buckets + (spread if t.spread_in_forward else 0)
     memory = t.state_bytes[0][:, None] + t.state_bytes[1][None, :] + np.maximum(

@@ -8,10 +8,12 @@ with sum_c x[g, c] = 1; a continuous z >= the bytes of every pair of simultaneou
 its reduce-scatter holds beyond it; the
 embedding's pair less its offset: it arrives after the activations are gone) and >= the loss
 backward's transient (bucket_floor), and a continuous y >=
-every role's in-flight spread bytes (the largest unit's spread, times the window W).
+every role's in-flight spread bytes (the largest unit's spread, times the window W), and a continuous
+c >= every pair of neighbouring units' copies held by gloo while their G->OS reduce-scatters are in
+flight (memory_events.sync_copy_bytes; 0 on CUDA).
 Memory (every rank holds the same shards), the peak of the phases, each within the budget:
     forward/backward: sum_{g,c} x[g,c] * state_bytes[g,c] + z + u + activations [+ W * y] <= budget
-    optimizer step:   sum_{g,c} x[g,c] * (state_bytes[g,c] + sync_bytes[g,c]) <= budget
+    optimizer step:   sum_{g,c} x[g,c] * (state_bytes[g,c] + sync_bytes[g,c]) + c <= budget
     spread:           sum_{g,c} x[g,c] * state_bytes[g,c] + W * y <= budget
 and, when a model-state budget is given (Options.state_budget_bytes), sum x * state_bytes <= it.
 with the spread window W * y in the forward/backward phase when the spread overlaps the next
@@ -64,6 +66,7 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
 
     y = prob.add_variable("spread_unit_gib", lowBound=0)
     u = prob.add_variable("grad_buckets_gib", lowBound=t.bucket_floor / GIB)
+    c = prob.add_variable("sync_copies_gib", lowBound=0)
 
     def role_expr(role, per_role):
         gi = t.role_group[role]
@@ -71,6 +74,7 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
 
     for n, pair in enumerate(t.pairs):
         prob += z >= pulp.lpSum(role_expr(r, t.gathered) for r in pair), f"gathered_set_{n}"
+        prob += c >= pulp.lpSum(role_expr(r, t.sync_copy) for r in pair), f"sync_copies_{n}"
     for n, (roles, filler, offset) in enumerate(t.bucket_events):
         prob += u >= event_bytes(roles, filler, offset / GIB, role_expr, t.buckets, t.fills, t.inflight), \
             f"grad_buckets_{n}"
@@ -80,7 +84,7 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
     prob += (pulp.lpSum(x[k] * (t.state_bytes[k] / GIB) for k in x) + z + u + fwd_spread <= budget,
              "memory_per_rank")
     # the step phase: the OS-shard gradients, then (spread after the update) the spread that follows
-    prob += (pulp.lpSum(x[k] * ((t.state_bytes[k] + t.sync_bytes[k]) / GIB) for k in x)
+    prob += (pulp.lpSum(x[k] * ((t.state_bytes[k] + t.sync_bytes[k]) / GIB) for k in x) + c
              <= t.budget_bytes / GIB, "memory_at_step")
     if not t.spread_in_forward:
         prob += (pulp.lpSum(x[k] * (t.state_bytes[k] / GIB) for k in x) + step_spread <= t.budget_bytes / GIB,
@@ -117,8 +121,9 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
                                       for roles, filler, offset in t.bucket_events])
     spread = t.spread_window * max(t.spread[r][chosen[t.role_group[r]]] for r in t.spread)
     fwd_spread, step_spread = (spread, 0) if t.spread_in_forward else (0, spread)
+    copies = max(sum(at(r, t.sync_copy) for r in pair) for pair in t.pairs)
     memory = (t.state_bytes[0, i] + t.state_bytes[1, j]
               + max(t.constant_bytes + gathered + buckets + fwd_spread,
-                    t.sync_bytes[0, i] + t.sync_bytes[1, j], step_spread))
+                    t.sync_bytes[0, i] + t.sync_bytes[1, j] + copies, step_spread))
     plan = Plan(blocks=t.candidates[i], embed_head=t.candidates[j], name="auto")
     return Choice(plan, float(step), float(memory)), elapsed

@@ -31,6 +31,7 @@ class GroupTerms:
     buckets: dict  # role -> np.ndarray over candidates (bytes of one unit's gradient bucket)
     fills: dict  # role -> np.ndarray over candidates (the gradient in copy while that unit fills)
     inflight: dict  # role -> np.ndarray over candidates (its reduce-scatter beyond the bucket, in flight)
+    sync_copy: dict  # role -> np.ndarray over candidates (gloo's copy while its G->OS sync is in flight)
     bucket_floor: float  # the buckets' term is at least this (the unfused loss backward's transient)
     bucket_events: list  # (roles held, role filling, bytes credited): cost_model.bucket_events
     spread_window: int  # units whose spread may be in flight at once
@@ -53,6 +54,7 @@ class GroupTerms:
         buckets: dict = {}
         fills: dict = {}
         inflight: dict = {}
+        sync_copy: dict = {}
         role_group: dict = {}
         for gi, group in enumerate(UNIT_GROUPS):
             for ci, d in enumerate(cands):
@@ -69,7 +71,9 @@ class GroupTerms:
                     fills.setdefault(role, np.zeros(len(cands)))[ci] = b
                 for role, b in gc.inflight_bytes.items():
                     inflight.setdefault(role, np.zeros(len(cands)))[ci] = b
-        return cls(cands, exposed, state, sync, gathered, spread, buckets, fills, inflight,
+                for role, b in gc.sync_copy_bytes.items():
+                    sync_copy.setdefault(role, np.zeros(len(cands)))[ci] = b
+        return cls(cands, exposed, state, sync, gathered, spread, buckets, fills, inflight, sync_copy,
                    model.w.loss_backward_transient_bytes(), model.bucket_events(),
                    model.spread_window, model.o.overlap_spread, role_group, model.buffer_pairs(),
                    model.constant_time_s(), sum(model.constant_memory().values()), model.memory_budget(),

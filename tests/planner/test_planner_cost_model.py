@@ -123,13 +123,19 @@ def test_model_state_bytes_follow_the_degrees():
 def test_os_gradients_held_for_the_step_are_counted_where_they_get_a_buffer():
     """The fp32 OS-shard gradient of every unit lives from the sync to the optimizer step: its own
     buffer when the G->OS reduce-scatter makes it (os > g) or bf16 traffic is widened back to fp32,
-    a view of the G shard otherwise (amsp.flat_unit)."""
+    a view of the G shard otherwise (amsp.flat_unit). Under gloo (the cpu device) the step phase also
+    holds the copies of two neighbouring units' G shards whose G->OS reduce-scatters are in flight."""
     w32 = workload("tiny", precision="fp32")
-    m32 = CostModel(w32, flat_cluster(2, 8))
-    padded = sum(-(-u.numel // 16) * 16 for u in w32.units())
+    m32 = CostModel(w32, dataclasses.replace(flat_cluster(2, 8), device="cuda"))
+    sizes = [-(-u.numel // 16) * 16 for u in w32.units()]  # forward order
+    padded = sum(sizes)
     assert m32.evaluate(make_plan("ddp", 16, 8)).memory["grad_sync"] == 0
     assert m32.evaluate(make_plan("zero2", 16, 8)).memory["grad_sync"] == 0  # os == g: a view
     assert m32.evaluate(make_plan("zero1", 16, 8)).memory["grad_sync"] == 4 * padded // 16
+    gloo = CostModel(w32, flat_cluster(2, 8))
+    copies = 4 * max(a + b for a, b in zip(sizes, sizes[1:]))  # g = 1: whole fp32 G shards
+    assert gloo.evaluate(make_plan("zero1", 16, 8)).memory["grad_sync"] == 4 * padded // 16 + copies
+    assert gloo.evaluate(make_plan("zero2", 16, 8)).memory["grad_sync"] == 0  # os == g: no reduce-scatter
     w16 = workload("tiny", precision="bf16")  # bf16 gradient traffic
     ddp16 = CostModel(w16, flat_cluster(2, 8)).evaluate(make_plan("ddp", 16, 8)).memory
     assert ddp16["grad_sync"] == 4 * w16.params_per_rank()

@@ -29,7 +29,7 @@ from models.llama.config import LlamaConfig
 from ..allocator import margin_for
 from ..comm_time import collective_seconds
 from ..cost_model import layout
-from ..memory_events import collectives_stage_copies, reduce_scatter_inflight_bytes
+from ..memory_events import collectives_stage_copies, reduce_scatter_inflight_bytes, sync_copy_bytes
 from ..update_cost import ADAM_BYTES_PER_ELEM, UPDATE_HIDDEN_COST, overlapped_update_exposed
 from ..workload import Kernels, Workload
 from .hetero import HeteroCluster, NodeGroup, group_as_cluster
@@ -266,6 +266,7 @@ class StagePricer:
         buckets = max(grad_pairs + [self.loss_backward if head else 0.0])
         own_sync = deg.os > deg.g or prec.grad_bytes != 4  # else the OS gradient is a view of the G shard
         grad_sync = params / deg.os * 4 if own_sync else 0.0
+        grad_sync += sync_copy_bytes(max(pairs), deg, prec.grad_bytes, self.staged)  # gloo's, neighbours in flight
         cast = 0.0 if prec.master_is_weights else 1 / deg.os
         spread = 0.0 if deg.os == deg.p else \
             min(s.spread_window, len(order)) * max(order) * (1 / deg.p + cast) * prec.param_bytes
