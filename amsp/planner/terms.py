@@ -92,7 +92,7 @@ class GroupTerms:
                            **{f"{kind}_bytes": {r: float(table[r][ci]) for r in roles if r in table}
                               for kind, table in (("gathered", self.gathered), ("spread", self.spread),
                                                   ("bucket", self.buckets), ("fill", self.fills),
-                                                  ("inflight", self.inflight))}}
+                                                  ("inflight", self.inflight), ("sync_copy", self.sync_copy))}}
                           for ci, d in enumerate(self.candidates)]
         return out
 
