@@ -519,10 +519,6 @@ class CostModel:
         """memory_events.sync_copy_bytes for one unit of `role` (neighbouring pairs: buffer_pairs)."""
         return sync_copy_bytes(padded_numel(self._numel[role], deg), deg, self._gb, self.collectives_stage_copies)
 
-    def peak_sync_copies(self, copies: dict) -> float:
-        """The largest neighbouring pair of units' G->OS copies in flight (role -> bytes of one unit)."""
-        return max(sum(copies[r] for r in pair) for pair in self.buffer_pairs())
-
     def group_cost(self, group: str, deg: Degrees) -> GroupCost:
         exposed, parts, by_phase, gathered = 0.0, dict.fromkeys(STATE_PARTS, 0), {}, {}
         spread, buckets, fills, inflight, copies = {}, {}, {}, {}, {}
@@ -544,9 +540,10 @@ class CostModel:
         return GroupCost(exposed, comm, resident, gathered, spread, buckets, fills, inflight, parts, by_phase,
                          parts["grad_sync"], copies)
 
-    def peak_gathered(self, gathered: dict) -> int:
-        """Largest pair of simultaneously gathered units (role -> bytes of one gathered unit)."""
-        return max(sum(gathered[r] for r in pair) for pair in self.buffer_pairs())
+    def peak_pair(self, per_role: dict) -> float:
+        """Largest sum over a pair of neighbouring units (buffer_pairs) of a per-unit quantity (role -> bytes
+        of one unit): the gathered units, or gloo's copies in the G->OS sync."""
+        return max(sum(per_role[r] for r in pair) for pair in self.buffer_pairs())
 
     # ---- whole plans (walks every unit; the reference the per-group terms must add up to) ----
     def evaluate(self, plan: Plan) -> "PlanCost":
@@ -572,8 +569,8 @@ class CostModel:
             spread = max(spread, self.spread_bytes(role, deg))
         collectives += self.grad_norm()
         memory = dict(parts)
-        memory["grad_sync"] += self.peak_sync_copies(copies)  # gloo's copies in the sync (memory_events)
-        memory["gathered"] = self.peak_gathered(gathered)
+        memory["grad_sync"] += self.peak_pair(copies)  # gloo's copies in the sync (memory_events)
+        memory["gathered"] = self.peak_pair(gathered)
         memory["spread"] = self.spread_window * spread
         memory["buckets"] = self.peak_grad_buckets(buckets, fills, inflight)
         memory.update(self.constant_memory())

@@ -25,11 +25,8 @@ class Choice:
 def grid(t: GroupTerms) -> tuple[np.ndarray, np.ndarray]:
     """(step time, memory) over [blocks candidate, embed_head candidate]."""
     time = t.constant_s + t.exposed_s[0][:, None] + t.exposed_s[1][None, :]
-    gathered = None
+    gathered = _peak_pair(t, t.gathered)
     buckets = t.bucket_floor
-    for pair in t.pairs:
-        term = sum(_role_axis(t, r) for r in pair)
-        gathered = term if gathered is None else np.maximum(gathered, term)
     for roles, filler, offset in t.bucket_events:
         held = event_bytes(roles, filler, offset, lambda r, table: _role_axis(t, r, table), t.buckets, t.fills,
                            t.inflight)
@@ -40,15 +37,20 @@ def grid(t: GroupTerms) -> tuple[np.ndarray, np.ndarray]:
         spread = term if spread is None else np.maximum(spread, term)
     # the larger phase: forward/backward transients, or the optimizer step's OS-shard gradients, or the
     # spread that follows the update (which freed them)
-    copies = 0
-    for pair in t.pairs:  # gloo's copies of neighbouring units whose G->OS syncs are in flight
-        copies = np.maximum(copies, sum(_role_axis(t, r, t.sync_copy) for r in pair))
-    step = t.sync_bytes[0][:, None] + t.sync_bytes[1][None, :] + copies
+    # gloo's copies of neighbouring units whose G->OS syncs are in flight
+    step = t.sync_bytes[0][:, None] + t.sync_bytes[1][None, :] + _peak_pair(t, t.sync_copy)
     spread = t.spread_window * spread  # in the phase where the spread is in flight
     fb = t.constant_bytes + gathered + buckets + (spread if t.spread_in_forward else 0)
     memory = t.state_bytes[0][:, None] + t.state_bytes[1][None, :] + np.maximum(
         fb, np.maximum(step, 0 if t.spread_in_forward else spread))
     return time, memory
+
+
+def _peak_pair(t: GroupTerms, per_role: dict) -> np.ndarray:
+    """Over [blocks candidate, embed_head candidate]: the largest sum of a per-unit table over the pairs of
+    neighbouring units (CostModel.peak_pair)."""
+    return np.maximum.reduce(np.broadcast_arrays(*[sum(_role_axis(t, r, per_role) for r in pair)
+                                                   for pair in t.pairs]))
 
 
 def _role_axis(t: GroupTerms, role: str, per_role: dict | None = None) -> np.ndarray:
