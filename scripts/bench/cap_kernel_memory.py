@@ -72,7 +72,8 @@ def measure(cfg: tuple, extra: list[str], work: str) -> list[dict]:
         r = json.load(open(os.path.join(tag_dir, f"peak{g['rank'][4:]}.json")))
         charged, kmem_at_peak = best.get(g["rank"], (0, 0))
         out.append({"rank": g["rank"], "anon_above_join_mib": r["anon_base_mib"] - r["anon_join_mib"]
-                    + caps.anon_growth_mib(r), "charged_peak_mib": charged / MIB,
+                    + caps.anon_growth_mib(r), "join_to_build_mib": r["anon_base_mib"] - r["anon_join_mib"],
+                    "growth_mib": caps.anon_growth_mib(r), "charged_peak_mib": charged / MIB,
                     "kmem_at_peak_mib": kmem_at_peak / MIB, "kmem_max_mib": g["kmem_peak_bytes"] / MIB})
     return out
 

@@ -54,8 +54,8 @@ MODEL = ["model=tiny", "model.dim=768", "model.n_layers=8", "model.n_heads=12", 
 # pages go back (as bench_memory_fidelity.py does): with glibc's defaults it keeps them, and a zero3 run
 # whose tensors need ~1.1 GiB was OOM-killed under a 1.4 GiB cap. At 1 MiB the tensor-parallel runs'
 # sub-MiB activation slices (T x dim / tp fp32) stayed on the heap: tp 2, 1/1/1 kept 150 MiB after its
-# first step that 64 KiB returns (18 MiB). The planner's allocator margin for this setting is 0
-# (amsp/planner/allocator.py); the predictions use it.
+# first step that 64 KiB returns (18 MiB). The planner's margin for this setting is the tensors' page
+# tables alone, 1/512 (amsp/planner/allocator.py); the predictions use it.
 RANK_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(64 * 1024), "MALLOC_TRIM_THRESHOLD_": "0"}
 CONFIGS = [(1, 1, d, 1) for d in ((1, 1, 1), (1, 1, 4), (1, 4, 4), (4, 4, 4))] + [
     (1, 1, (1, 1, 1), 2), (1, 1, (2, 2, 2), 2), (1, 1, (4, 4, 4), 2), (2, 1, (1, 1, 1), 2), (2, 1, (2, 2, 2), 2),
