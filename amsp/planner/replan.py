@@ -36,7 +36,6 @@ from .cost_model import CostModel, Options
 from .report import PlanCost
 from .workload import Workload
 
-MIN_GAIN = 0.05  # a switch must be predicted at least this much faster: a switch costs a checkpoint
 NOT_WAITS = ("optimizer", "contention")  # exposed-time terms that are compute, not collective waits
 _SCALE_RANGE = (1e-3, 1e3)
 NOISE_FLOOR = 0.01  # exposed communication under 1% of the step on both sides says nothing about the links
@@ -173,9 +172,10 @@ def refit(workload: Workload, cluster: ClusterSpec, options: Options, plan, meas
     return Refit(compute_scale, comm_scale, memory_scale(prior, measured))
 
 
-def decide(current: PlanCost, best: PlanCost, user_named: bool, min_gain: float = MIN_GAIN,
+def decide(current: PlanCost, best: PlanCost, user_named: bool, min_gain: float,
            joint: bool = False) -> Decision:
-    """Switch when the re-solve's plan is predicted at least min_gain faster than the running one
+    """Switch when the re-solve's plan is predicted at least min_gain (amsp.planner.replan_min_gain: a switch
+    costs a checkpoint and a reload) faster than the running one
     (both priced with the refitted constants) and the plan was the AMSP planner's own choice (not the
     user's, nor one stage's share of a joint plan, which the AMSP re-solve does not re-plan)."""
     same = (best.plan.blocks, best.plan.embed_head) == (current.plan.blocks, current.plan.embed_head)

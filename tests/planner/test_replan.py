@@ -9,6 +9,7 @@ from amsp.plan import make_plan
 from amsp.planner import replan as rp
 from amsp.planner.cost_model import CostModel, Options
 from amsp.planner.solve import plan_cluster
+from configs.schema import PlannerConfig
 from tests.planner.planner_cases import flat_cluster, workload
 
 W = workload("debug", seq_len=64, mbs=2, micro_batches=2, precision="fp32")
@@ -94,16 +95,18 @@ def _priced(step_s: float, plan_name: str):
     return replace(cost, compute_s=cost.compute_s + step_s - cost.step_time_s)
 
 
-def test_decide_needs_five_percent_and_a_planner_plan():
+def test_decide_needs_the_configured_gain_and_a_planner_plan():
+    gain = PlannerConfig.replan_min_gain  # the schema's default, 5%
     current, better, marginal = _priced(1.0, "zero3"), _priced(0.94, "ddp"), _priced(0.96, "ddp")
-    assert rp.decide(current, better, user_named=False).switch
-    assert not rp.decide(current, marginal, user_named=False).switch
-    assert rp.decide(current, marginal, user_named=False, min_gain=0.0).switch  # amsp.planner.replan_min_gain
-    named = rp.decide(current, better, user_named=True)
+    assert rp.decide(current, better, user_named=False, min_gain=gain).switch
+    assert not rp.decide(current, marginal, user_named=False, min_gain=gain).switch
+    assert rp.decide(current, marginal, user_named=False, min_gain=0.0).switch
+    named = rp.decide(current, better, user_named=True, min_gain=gain)
     assert not named.switch and "named by the user" in named.reason
-    joint = rp.decide(current, better, user_named=False, joint=True)  # parallel.auto's plan: reported, not switched
+    # parallel.auto's plan: reported, not switched
+    joint = rp.decide(current, better, user_named=False, min_gain=gain, joint=True)
     assert not joint.switch and "joint planner" in joint.reason and "named by the user" not in joint.reason
-    same = rp.decide(current, _priced(0.5, "zero3"), user_named=False)
+    same = rp.decide(current, _priced(0.5, "zero3"), user_named=False, min_gain=gain)
     assert not same.switch and "still the best" in same.reason
 
 
