@@ -18,6 +18,8 @@ import sys
 import tempfile
 import time
 
+from torchrun_cmd import torchrun_cmd
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # train.py run as __main__, with the exit hook's registration first replaced by a no-op ("off")
 WRAPPER = """import runpy, sys
@@ -60,8 +62,7 @@ def main() -> None:
             for variant in ("off", "on") if r % 2 == 0 else ("on", "off"):
                 run = [f"trainer.output_dir={tmp}", f"trainer.run_name={variant}{r}", *RUN]
                 times[f"launch {variant}"].append(timed(
-                    [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-                     wrappers[variant], *run], env))
+                    torchrun_cmd(args.nproc, [wrappers[variant], *run], tmp), env))
                 times[f"import {variant}"].append(timed(
                     [sys.executable, "-c", IMPORT.format(root=ROOT, on=variant == "on")], env))
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()),

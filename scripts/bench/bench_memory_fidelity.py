@@ -32,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from torchrun_cmd import torchrun_cmd  # noqa: E402
+
 MIB = 2**20
 PLANS = "1/1/1,1/1/4,1/4/4,4/4/4,2/4/4"  # ddp, zero1, zero2, zero3, a hybrid (shard 2, reduce over 4)
 NAMES = {"1/1/1": "ddp", "1/1/4": "zero1", "1/4/4": "zero2", "4/4/4": "zero3"}
@@ -103,8 +105,8 @@ def predicted(args, plan_text: str, world: int) -> tuple[float, dict]:
 def run_plan(args, plan_text: str, tmp: Path) -> dict:
     result = tmp / plan_text.replace("/", "_")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
-           __file__, "--worker", "--plan", plan_text, "--result", str(result)] + _shape_args(args)
+    cmd = torchrun_cmd(args.ranks, [__file__, "--worker", "--plan", plan_text, "--result", str(result),
+                                    *_shape_args(args)], str(tmp))
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:

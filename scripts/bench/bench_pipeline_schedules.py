@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+from torchrun_cmd import torchrun_cmd
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MIB = 2**20
 
@@ -55,8 +57,7 @@ def run_schedule(a, spec: str, workdir: str, round_no: int) -> dict:
             "trainer.log_interval=1", "trainer.val_samples=0", "trainer.checkpoint_interval=0",
             "logging.wandb.mode=disabled", "logging.plot=false",
             f"trainer.output_dir={workdir}", f"trainer.run_name={run_name}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.ranks}",
-           "train.py", *args]
+    cmd = torchrun_cmd(a.ranks, ["train.py", *args], workdir)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode != 0:

@@ -38,6 +38,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
 import slow_node  # noqa: E402
+from torchrun_cmd import torchrun_cmd  # noqa: E402
 from planner_vs_measured import spearman  # noqa: E402
 
 MODEL = ["model=tiny", "data.seq_len=128", "trainer.global_batch_size=16", "optim.warmup_steps=2"]
@@ -75,7 +76,7 @@ def run_train(name: str, args: list[str], steps: int, rate, workdir, placed=Fals
             "trainer.checkpoint_interval=0", "logging.wandb.mode=disabled", "logging.plot=false",
             f"trainer.output_dir={workdir}", f"trainer.run_name={name}", "amsp.ranks_per_node=2",
             "amsp.planner.recheck_steps=0"]
-    cmd = launch_cmd(rate, "train.py", args, placed)
+    cmd = launch_cmd(rate, "train.py", args, workdir, placed)
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != 0:
@@ -219,7 +220,7 @@ def measure(sizes: list[int], rate: str | None, placed: bool = False, per_node: 
         path = os.path.join(work, "measured.json")
         cmd = launch_cmd(rate, os.path.abspath(__file__), ["--measure-worker", path, "--sizes",
                                                            ",".join(map(str, sizes)),
-                                                           *(["--per-node"] if per_node else [])], placed)
+                                                           *(["--per-node"] if per_node else [])], work, placed)
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
         if proc.returncode != 0 or not os.path.exists(path):
@@ -227,18 +228,17 @@ def measure(sizes: list[int], rate: str | None, placed: bool = False, per_node: 
         return json.load(open(path))
 
 
-def launch_cmd(rate: str | None, script: str, args: list[str], placed: bool = False) -> list[str]:
+def launch_cmd(rate: str | None, script: str, args: list[str], work: str, placed: bool = False) -> list[str]:
     """The command that runs `script` on 4 ranks: torchrun over loopback, or the emulated 2 x 2 cluster;
     placed: each rank first joins its emulated node's cgroups (slow_node.py, loopback only)."""
     if placed:
         if rate:
             raise SystemExit("--slow-node runs over loopback; leave --rate out")
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}",
-                *slow_node.shim_args(script, RANKS_PER_NODE), *args]
+        return torchrun_cmd(RANKS, [*slow_node.shim_args(script, RANKS_PER_NODE), *args], work)
     if rate:
         return [sys.executable, os.path.join(HERE, "netns_cluster.py"), "run", "--nodes", "2", "--ranks-per-node",
                 str(RANKS_PER_NODE), "--rate", rate, "--", sys.executable, script, *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}", script, *args]
+    return torchrun_cmd(RANKS, [script, *args], work)
 
 
 def pricing_inputs(got: dict):
