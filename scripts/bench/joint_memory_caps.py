@@ -45,6 +45,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
 from bench_memory_fidelity import vm_kib  # noqa: E402
+from torchrun_cmd import torchrun_cmd  # noqa: E402
 
 CGROUP = "/sys/fs/cgroup/memory"
 MIB = 2**20
@@ -187,8 +188,8 @@ def run(tp: int, pp: int, deg, mbs: int, cap_mib: int, extra: list[str], workdir
             "trainer.val_samples=0", "trainer.checkpoint_interval=0", "logging.wandb.mode=disabled",
             "logging.plot=false", f"trainer.output_dir={workdir}", f"trainer.run_name={name}",
             "amsp.ranks_per_node=2", "amsp.planner.recheck_steps=0"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           os.path.abspath(__file__), "--rank-shim", str(cap_mib), "--tag-dir", tag_dir, "--", *args]
+    cmd = torchrun_cmd(4, [os.path.abspath(__file__), "--rank-shim", str(cap_mib), "--tag-dir", tag_dir, "--", *args],
+                       workdir)
     env = {**os.environ, **RANK_ENV}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     groups = read_groups(tag_dir)
