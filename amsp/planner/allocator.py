@@ -15,8 +15,8 @@ allocator the run uses).
   blocks stay with the process; the main job's recheck measured 24% above its tensors. 8% as on
   CUDA, and the recheck raises it to what the run held.
 - CPU, either setting, plus the page tables that map the tensors' pages: one 8-byte entry per 4 KiB
-  page (x86-64 without transparent huge pages for malloc's mappings, the kernel's `madvise` default),
-  1/512 of the tensors, kernel memory a memory cgroup charges with them. Measured on 4 gloo ranks
+  page (x86-64 with transparent huge pages at `madvise` or `never`, as here: glibc does not ask for
+  them), 1/512 of the tensors, kernel memory a memory cgroup charges with them. Measured on 4 gloo ranks
   (cgroup v1, scripts/bench/cap_kernel_memory.py, 28 Nov): 3.0-3.6 MiB of kernel memory at the peak of
   1.0-1.2 GiB ranks against 1.3 MiB for a 233 MiB one, +1/512 of the difference within 0.3 MiB. A
   GPU's page tables are the driver's, outside the allocations.
