@@ -88,7 +88,8 @@ def test_tp2_run_on_two_ranks_exits_zero_every_time(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("AMSP_CHECK_ROUTING", None)
     for i in range(3):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               f"--log-dir={tmp_path / f'torchrun{i}'}", "train.py",  # not a /tmp/torchelastic_* per launch
                "model=debug", "parallel.tp=2", "amsp.plan=zero1", "trainer.max_steps=2",
                "logging.wandb.mode=disabled", f"trainer.output_dir={tmp_path}", f"trainer.run_name=r{i}"]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
