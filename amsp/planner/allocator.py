@@ -62,11 +62,12 @@ def allocator_margin(device: str, env: Mapping[str, str] | None = None) -> tuple
     """(margin, why) for the allocator that serves `device` ("cpu" | "cuda") in this environment."""
     if device == "cuda":
         return CACHING_MARGIN, "PyTorch's caching allocator keeps freed blocks for reuse"
-    tables = "the page tables of the tensors' pages 0.2%"
+    tables = f"the page tables of the tensors' pages {100 * PAGE_TABLE_FRACTION:.1f}%"
     if glibc_returns_freed_blocks(env):
         return PAGE_TABLE_FRACTION, ("glibc maps each block over a small fixed threshold and returns freed "
                                      f"memory; {tables}")
-    return GLIBC_DEFAULT_MARGIN + PAGE_TABLE_FRACTION, f"glibc's defaults keep freed blocks (8%); {tables}"
+    return (GLIBC_DEFAULT_MARGIN + PAGE_TABLE_FRACTION,
+            f"glibc's defaults keep freed blocks ({100 * GLIBC_DEFAULT_MARGIN:.0f}%); {tables}")
 
 
 def margin_for(configured: float | None, device: str, env: Mapping[str, str] | None = None) -> float:

@@ -112,16 +112,20 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
         raise SolverError(f"CBC reported Optimal but selected {len(chosen)} of {len(UNIT_GROUPS)} groups")
     i, j = chosen[0], chosen[1]
     step = t.constant_s + t.exposed_s[0, i] + t.exposed_s[1, j]
-    gathered = max(sum(t.gathered[r][chosen[t.role_group[r]]] for r in pair) for pair in t.pairs)
 
     def at(role, per_role):
         return per_role[role][chosen[t.role_group[role]]]
+
+    def peak_pair(per_role):  # the largest neighbouring pair of the chosen units (CostModel.peak_pair)
+        return max(sum(at(r, per_role) for r in pair) for pair in t.pairs)
+
+    gathered = peak_pair(t.gathered)
 
     buckets = max([t.bucket_floor] + [event_bytes(roles, filler, offset, at, t.buckets, t.fills, t.inflight)
                                       for roles, filler, offset in t.bucket_events])
     spread = t.spread_window * max(t.spread[r][chosen[t.role_group[r]]] for r in t.spread)
     fwd_spread, step_spread = (spread, 0) if t.spread_in_forward else (0, spread)
-    copies = max(sum(at(r, t.sync_copy) for r in pair) for pair in t.pairs)
+    copies = peak_pair(t.sync_copy)
     memory = (t.state_bytes[0, i] + t.state_bytes[1, j]
               + max(t.constant_bytes + gathered + buckets + fwd_spread,
                     t.sync_bytes[0, i] + t.sync_bytes[1, j] + copies, step_spread))
