@@ -269,5 +269,7 @@ CHEAP_TO_RUN = [c for c in by_kind("train") + by_kind("torchrun") + by_kind("pla
 @pytest.mark.parametrize("cmd", CHEAP_TO_RUN, ids=ids(CHEAP_TO_RUN))
 def test_cheap_commands_run_as_written(cmd, tmp_path):
     argv, env = as_written(cmd)
+    if classify(cmd) == "torchrun":  # its log folder (tempfile.mkdtemp) lands in tmp_path, not /tmp
+        env["TMPDIR"] = str(tmp_path)
     r = run(argv, cwd=tmp_path, env=env, timeout=900)
     assert r.returncode == 0, f"{cmd}\n{r.stdout[-2000:]}{r.stderr[-3000:]}"

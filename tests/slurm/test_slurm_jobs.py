@@ -58,6 +58,11 @@ def test_pretrain_sbatch_trains_and_checkpoints_then_the_srun_variant_resumes_it
     text = assert_succeeded(local_slurm.wait_done(first, timeout=300), log)
     assert PLAN_LINE.search(text), f"no plan line in the log:\n{text[-4000:]}"
     assert re.search(r"p/g/os = .* on 2 ranks", text), "torchrun must have started 2 ranks"
+    # torchrun's folder is the job's (beside its log), one <run id>_<random> folder for the one node.
+    torchrun_logs = tmp_path / "torchrun-logs" / first
+    assert f"torchrun logs: {torchrun_logs}" in text, text[-4000:]
+    folders = sorted(d.name for d in torchrun_logs.iterdir())
+    assert len(folders) == 1 and folders[0].startswith(f"{first}_"), folders
     # The run directory is named after the job, so every rank (and a requeue) agrees on it.
     run_dir = tmp_path / "runs" / f"{job_name}-{first}"
     assert latest_checkpoint(run_dir) == "step_00000004"
