@@ -82,6 +82,22 @@ def native_adamw_unavailable(device: torch.device) -> str | None:
     return ops_unavailable(device, CUDA_EXTENSION)
 
 
+def resolve_kernel(kernel: str, device: torch.device) -> tuple[str, str]:
+    """(the AdamW kernel `kernel` runs on `device`, why): auto is torch's fused kernel where the device has
+    one, else the foreach ops. A named kernel the device cannot run is an error, never a fallback."""
+    if kernel not in KERNELS:
+        raise ValueError(f"AdamW kernel {kernel!r} is not one of {'|'.join(KERNELS)}")
+    if kernel == "auto":
+        return ("fused", "available") if fused_adamw_available(device) else \
+            ("foreach", f"no fused AdamW kernel for device type {torch.device(device).type}")
+    if kernel == "fused" and not fused_adamw_available(device):
+        raise RuntimeError(f"no fused AdamW kernel for device type {torch.device(device).type}")
+    if kernel == "csrc" and (missing := native_adamw_unavailable(device)) is not None:
+        raise RuntimeError(f"AdamW kernel csrc requested, but amsp_fused::adamw_update is unavailable on {device}: "
+                           f"{missing}")
+    return kernel, "requested"
+
+
 def _segments(chunk: int, decay: list[tuple[int, int]]) -> list[tuple[int, bool]]:
     """[0, chunk) cut into consecutive (length, decays) runs: the decay segments and the gaps."""
     runs, pos = [], 0
@@ -104,17 +120,7 @@ class ShardedAdamW:
         self.norm_ranks = norm_ranks or getattr(comm.topo, "members", None) or tuple(range(comm.topo.world))
         self.steps = 0  # applied updates (skipped steps do not count, as in torch)
         device = units[0].device
-        if kernel not in KERNELS:
-            raise ValueError(f"AdamW kernel {kernel!r} is not one of {'|'.join(KERNELS)}")
-        why = "requested"
-        if kernel == "auto":
-            kernel, why = ("fused", "available") if fused_adamw_available(device) else \
-                ("foreach", f"no fused AdamW kernel for device type {torch.device(device).type}")
-        elif kernel == "fused" and not fused_adamw_available(device):
-            raise RuntimeError(f"no fused AdamW kernel for device type {torch.device(device).type}")
-        elif kernel == "csrc" and (missing := native_adamw_unavailable(device)) is not None:
-            raise RuntimeError(f"AdamW kernel csrc requested, but amsp_fused::adamw_update is unavailable on {device}: "
-                               f"{missing}")
+        kernel, why = resolve_kernel(kernel, device)
         self.kernel = kernel
         if comm.rank == 0:
             log.info("sharded AdamW on %s: %s (%s)", device, {

@@ -99,7 +99,7 @@ def _plan(cfg, denv, device, run_dir, mixed, r, points, profiles: dict, tp_times
                        unit_times=jc.unit_times, overlap_spread=bool(cfg.amsp.overlap_spread),
                        spread_window=int(cfg.amsp.spread_window), optimizer_s_per_elem=jc.optimizer_s_per_elem or None,
                        kernels=kernels, sequence_parallel=bool(cfg.parallel.sequence_parallel),
-                       overlap_update=bool(cfg.amsp.overlap_update))
+                       overlap_update=bool(cfg.amsp.overlap_update), optimizer_kernel=str(cfg.amsp.optimizer_kernel))
     margin = describe_margin(p.memory_margin, cluster.groups[0].spec.device)
     text = (f"joint planner (compute: {'; '.join(sources)}; {kernels.describe()}; {margin})\n"
             + format_joint(plans, cluster))
@@ -126,7 +126,8 @@ def measured_profiles(cfg: DictConfig, denv, device, groups: list[str] | None) -
     return measure_group_profiles(model, int(cfg.data.seq_len), int(cfg.trainer.micro_batch_size),
                                   timing_dtype(cfg, device), model.activation_checkpointing, device, denv.world_size,
                                   denv.rank, groups, pathlib.Path(p.cache_dir) if p.cache_dir else None,
-                                  p.probe_cache, cores_shared=cores_shared(device, denv))
+                                  p.probe_cache, cores_shared=cores_shared(device, denv),
+                                  optimizer_kernel=str(cfg.amsp.optimizer_kernel))
 
 
 def tp_cache_path(cfg: DictConfig, model, denv, device, tp: int, groups: list[str] | None = None) -> pathlib.Path:

@@ -232,7 +232,7 @@ def _run_joint(cfg, args) -> int:
                        unit_times=jc.unit_times, optimizer_s_per_elem=jc.optimizer_s_per_elem or None,
                        overlap_spread=bool(cfg.amsp.overlap_spread), spread_window=int(cfg.amsp.spread_window),
                        sequence_parallel=bool(cfg.parallel.sequence_parallel),
-                       overlap_update=bool(cfg.amsp.overlap_update))
+                       overlap_update=bool(cfg.amsp.overlap_update), optimizer_kernel=str(cfg.amsp.optimizer_kernel))
     kernels = default_kernels(to_llama_config(cfg.model))  # what plan_joint assumes without a device
     if args.json:
         print(json.dumps({"choice": plans[0].to_json(), "alternatives": [x.to_json() for x in plans[1:]],

@@ -22,6 +22,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from dataclasses import field as dc_field
 
+from .update_cost import adam_bytes_per_elem
+
 
 @dataclass(frozen=True)
 class ComputeProfile:
@@ -34,6 +36,9 @@ class ComputeProfile:
     # one AdamW step (the engine's kernel) per optimizer element, every rank stepping at once; None: the
     # cluster's memory bandwidth prices it
     optimizer_s_per_elem: float | None = None
+    # the AdamW kernel optimizer_s_per_elem timed (sharded_optim.resolve_kernel's name); None: fused, as
+    # profiles stored before the field were timed
+    optimizer_kernel: str | None = None
     # The cache file this profile was read from or written to (not stored in it): the recheck removes a
     # file whose profile the run's own steps contradict (cache_file.forget_if_stale).
     cache_file: str | None = dc_field(default=None, compare=False)
@@ -90,18 +95,18 @@ def timed_code_hash() -> str:
 
 def cache_key(model_cfg, seq_len: int, micro_batch: int, dtype: str, recompute: str, device, world: int,
               backend: str | None, cores_shared: bool = False, layout: list | None = None,
-              compiled: bool = False, ranks_per_node: int | None = None) -> str:
+              compiled: bool = False, ranks_per_node: int | None = None, optimizer_kernel: str = "fused") -> str:
     """layout: a mixed cluster's (node group, device name) of every rank; None keeps a uniform run's key.
     Everything that changes what is timed is in it: the kernels the block runs (fused ops, norm backend,
-    compiled or not) and their code (timed_code_hash), and where the ranks sit (the overlap slowdown's
-    all_reduce crosses nodes or not)."""
+    compiled or not) and their code (timed_code_hash), the AdamW kernel timed (resolved: fused, foreach or
+    csrc), and where the ranks sit (the overlap slowdown's all_reduce crosses nodes or not)."""
     import torch
 
     shape = {"device": device_name(device), "dim": model_cfg.dim, "ffn": model_cfg.ffn_hidden_dim,
              "heads": model_cfg.n_heads, "kv_heads": model_cfg.n_kv_heads, "vocab": model_cfg.vocab_size,
              "tie": model_cfg.tie_embeddings, "attention": str(model_cfg.attention), "seq": seq_len,
              "mbs": micro_batch, "dtype": dtype, "recompute": recompute, "torch": torch.__version__,
-             "world": world, "backend": backend, "cores_shared": cores_shared, "optimizer": 1,
+             "world": world, "backend": backend, "cores_shared": cores_shared, "optimizer": optimizer_kernel,
              "fused": str(model_cfg.fused), "norm": str(model_cfg.norm), "compiled": compiled,
              "ranks_per_node": ranks_per_node, "code": timed_code_hash()}
     if layout is not None:
@@ -218,27 +223,33 @@ def time_compute(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, dev
             "head_forward_backward_s": head_s, "embedding_s": emb_s}, (block, x, cos, sin, grad)
 
 
-def time_optimizer(device, elems: int = OPTIMIZER_ELEMS, repeats: int = 3) -> float:
-    """Seconds per element of one AdamW step on fp32 master weights, with the kernel ShardedAdamW picks by
-    default on this device (torch._fused_adamw_, else torch._foreach_*) called as the engine calls it
-    with gradient clipping on (the default): the clip scale as grad_scale, so the kernel writes each
-    gradient back divided by it (update_cost.ADAM_BYTES_PER_ELEM; amsp.optimizer_kernel=csrc's one pass
-    does not, and is not timed apart). A memory-bound pass whose rate a preset's memory bandwidth only
-    guesses (on CPU the ranks also share the cores)."""
+def time_optimizer(device, elems: int = OPTIMIZER_ELEMS, repeats: int = 3, kernel: str = "auto") -> float:
+    """Seconds per element of one AdamW step on fp32 master weights, with the kernel ShardedAdamW runs for
+    amsp.optimizer_kernel=`kernel` on this device (sharded_optim.resolve_kernel: auto is
+    torch._fused_adamw_, else torch._foreach_*), called as the engine calls it with gradient clipping on
+    (the default): the clip scale as grad_scale, so the fused kernel writes each gradient back divided by
+    it and csrc's one pass does not (update_cost.ADAM_BYTES_PER_ELEM). A memory-bound pass whose rate a
+    preset's memory bandwidth only guesses (on CPU the ranks also share the cores)."""
     import torch
 
-    from amsp.sharded_optim import fused_adamw_available
+    from amsp.sharded_optim import resolve_kernel
 
     device = torch.device(device)
+    kernel, _ = resolve_kernel(kernel, device)
     g = torch.Generator(device="cpu").manual_seed(0)
     p, grad = (torch.randn(elems, generator=g).to(device) for _ in range(2))
     m, v = torch.zeros(elems, device=device), torch.zeros(elems, device=device)
     step = torch.zeros((), device=device)
     scale = torch.ones((), device=device)  # the clip scale (sharded_optim.ShardedAdamW.prepare)
-    if fused_adamw_available(device):
+    if kernel == "fused":
         def run():
             torch._fused_adamw_([p], [grad], [m], [v], [], [step], lr=1e-4, beta1=0.9, beta2=0.95,
                                 weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False, grad_scale=scale)
+    elif kernel == "csrc":  # fp32 masters: no compute weights written in the pass (an empty out)
+        no_out = torch.empty(0, device=device)
+
+        def run():
+            torch.ops.amsp_fused.adamw_update(p, grad, m, v, no_out, scale, 1e-4, 0.1, 0.9, 0.95, 1e-8, 1e-3, 0.5)
     else:
         def run():  # the foreach path's passes (sharded_optim.ShardedAdamW._foreach)
             torch._foreach_div_([grad], scale)
@@ -247,6 +258,7 @@ def time_optimizer(device, elems: int = OPTIMIZER_ELEMS, repeats: int = 3) -> fl
             torch._foreach_mul_([v], 0.95)
             torch._foreach_addcmul_([v], [grad], [grad], 0.05)
             denom = torch._foreach_sqrt([v])
+            torch._foreach_div_(denom, 0.5)
             torch._foreach_add_(denom, 1e-8)
             torch._foreach_addcdiv_([p], [m], denom, -1e-4)
     seconds = median_time(run, device, repeats)
@@ -302,7 +314,7 @@ def measure_overlap_slowdown(parts, device, comm_bytes: int, repeats: int = 3) -
 def measure_profile(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, recompute: str, device,
                     world: int, rank: int, cache_dir: pathlib.Path | None = None, use_cache: bool = True,
                     overlap_fallback: float | None = None, cores_shared: bool = False, compiled: bool = False,
-                    ranks_per_node: int | None = None) -> ComputeProfile:
+                    ranks_per_node: int | None = None, optimizer_kernel: str = "auto") -> ComputeProfile:
     """The run's ComputeProfile: cached, else measured on every rank at once (the ranks of a machine
     share it, as in training) with the median over ranks kept. Collective when world > 1.
 
@@ -310,20 +322,23 @@ def measure_profile(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, 
     core is then idle to run the communication, so its CPU time is taken from compute one for one: the
     overlap slowdown is 1 by construction (measured there it read anything from 0.2 to 1.0 from one run
     to the next, the difference of two noisy timings), and it is not measured.
-    compiled: time a compiled block (the run's model.compile resolved). ranks_per_node: part of the key."""
+    compiled: time a compiled block (the run's model.compile resolved). ranks_per_node: part of the key.
+    optimizer_kernel: the run's amsp.optimizer_kernel, the AdamW kernel timed."""
     return _measure(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, world, rank, cache_dir,
-                    use_cache, overlap_fallback, cores_shared, None, compiled, ranks_per_node)[ALL_RANKS]
+                    use_cache, overlap_fallback, cores_shared, None, compiled, ranks_per_node,
+                    optimizer_kernel)[ALL_RANKS]
 
 
 def measure_group_profiles(model_cfg, seq_len: int, micro_batch: int, dtype_name: str, recompute: str, device,
                            world: int, rank: int, rank_groups: list[str], cache_dir: pathlib.Path | None = None,
-                           use_cache: bool = True, cores_shared: bool = False) -> dict[str, ComputeProfile]:
+                           use_cache: bool = True, cores_shared: bool = False,
+                           optimizer_kernel: str = "auto") -> dict[str, ComputeProfile]:
     """One ComputeProfile per node group of a mixed cluster (rank_groups[r]: rank r's group): measured
     as measure_profile measures, every rank at once, each group keeping the median of its own ranks, so
     a slower kind of node is priced at its own speed. Cached under the groups and every rank's device.
     Collective (world > 1)."""
     return _measure(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, world, rank, cache_dir,
-                    use_cache, None, cores_shared, list(rank_groups))
+                    use_cache, None, cores_shared, list(rank_groups), optimizer_kernel=optimizer_kernel)
 
 
 ALL_RANKS = "all ranks"
@@ -339,15 +354,17 @@ def medians_by_group(rows: list[list[float]], rank_groups: list[str]) -> dict[st
 
 def _measure(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, world, rank, cache_dir, use_cache,
              overlap_fallback, cores_shared, rank_groups: list[str] | None, compiled: bool = False,
-             ranks_per_node: int | None = None) -> dict[str, ComputeProfile]:
+             ranks_per_node: int | None = None, optimizer_kernel: str = "auto") -> dict[str, ComputeProfile]:
     import torch
     import torch.distributed as dist
 
     from amsp import control
+    from amsp.sharded_optim import resolve_kernel
 
     from .cache_file import read_shared, write_atomic
 
     device = torch.device(device)
+    optimizer_kernel, _ = resolve_kernel(optimizer_kernel, device)
     distributed = world > 1 and dist.is_initialized()
     backend = dist.get_backend() if distributed else None
     layout = None
@@ -357,7 +374,7 @@ def _measure(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, wor
                              f"{'' if distributed else ' without a process group'}")
         layout = rank_layout(rank_groups, device)
     key = cache_key(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, world, backend, cores_shared,
-                    layout, compiled, ranks_per_node)
+                    layout, compiled, ranks_per_node, optimizer_kernel)
     path = (cache_dir or default_cache_dir()) / f"compute-{key}.json"
     field = "profile" if layout is None else "profiles"
     cached = read_shared(path, field, use_cache, rank, distributed, "compute profile")
@@ -378,7 +395,8 @@ def _measure(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, wor
                  "; each node group keeps its own ranks' median" if layout is not None else "")
     t0 = time.perf_counter()
     times, parts = time_compute(model_cfg, seq_len, micro_batch, dtype_name, device, compiled=compiled)
-    times["optimizer_s_per_elem"] = time_optimizer(device)  # every rank at once, as the engine's step runs
+    # every rank at once, as the engine's step runs
+    times["optimizer_s_per_elem"] = time_optimizer(device, kernel=optimizer_kernel)
     fields = list(times)
     if distributed:
         block_bytes = sum(p.numel() * p.element_size() for p in parts[0].parameters())
@@ -403,6 +421,7 @@ def _measure(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, wor
         slow = [r[-1] for r, rg in zip(rows, groups) if rg == g and r[-1] is not None]
         profiles[g] = ComputeProfile(**dict(zip(fields, med)),
                                      overlap_slowdown=min(1.0, statistics.median(slow)) if slow else None,
+                                     optimizer_kernel=optimizer_kernel,
                                      source=f"measured on {where[g]}{', compiled' if compiled else ''}",
                                      cache_file=str(path))
     if rank == 0:
@@ -431,7 +450,7 @@ def _of(group: str) -> str:
 def describe(p: ComputeProfile) -> str:
     slow = "preset" if p.overlap_slowdown is None else f"{p.overlap_slowdown:.3f} s/s"
     opt = ("" if p.optimizer_s_per_elem is None else
-           f", AdamW step {p.optimizer_s_per_elem * 1e9:.2f} ns/element")
+           f", AdamW step {p.optimizer_s_per_elem * 1e9:.2f} ns/element ({p.optimizer_kernel or 'fused'})")
     return (f"block fwd {p.block_forward_s * 1e3:.2f} ms, bwd {p.block_backward_s * 1e3:.2f} ms, head fwd+bwd "
             f"{p.head_forward_backward_s * 1e3:.2f} ms, embedding {p.embedding_s * 1e3:.2f} ms{opt}, overlap "
             f"slowdown {slow} ({p.source})")
@@ -464,7 +483,10 @@ def _profile_from(data, path: str, what: str = "") -> ComputeProfile:
                               overlap_slowdown=None if data.get("overlap_slowdown") is None
                               else float(data["overlap_slowdown"]), source=f"file:{path}{what}",
                               optimizer_s_per_elem=None if data.get("optimizer_s_per_elem") is None
-                              else float(data["optimizer_s_per_elem"]))
+                              else float(data["optimizer_s_per_elem"]),
+                              optimizer_kernel=data.get("optimizer_kernel"))
+        if prof.optimizer_kernel is not None:
+            adam_bytes_per_elem(prof.optimizer_kernel)  # a kernel the price cannot scale from: an error
     except (TypeError, ValueError) as e:
         raise InputError(f"{where}: {e}") from e
     bad = [f for f in FIELDS if not (0 <= getattr(prof, f) < math.inf)]

@@ -33,7 +33,8 @@ M micro-batches (F, B: forward / backward compute of one block; B includes recom
   * the parameter spread joins the forward gather's window in the first micro-batch when
     overlap_spread is on, else it is exposed;
   * the optimizer step over the OS shard is memory-bound and exposed (its rate timed at startup,
-    compute_profile.time_optimizer; else the cluster's memory bandwidth). With Options.overlap_update
+    compute_profile.time_optimizer; else the cluster's memory bandwidth; the bytes of the run's kernel,
+    Options.optimizer_kernel, set the price: update_cost.adam_seconds_per_elem). With Options.overlap_update
     on a CUDA cluster each unit's update runs on a side stream in forward order and the unit's forward
     waits for it alone: the embedding's and the first block's updates are exposed (nothing before them
     to hide behind), every later unit's only beyond the forward of the unit before it (F, first
@@ -83,7 +84,7 @@ from .cluster import ClusterSpec
 from .comm_time import collective_seconds
 from .compute_profile import ComputeProfile
 from .memory_events import collectives_stage_copies, event_bytes, reduce_scatter_inflight_bytes, sync_copy_bytes
-from .update_cost import ADAM_BYTES_PER_ELEM, UPDATE_HIDDEN_COST, overlapped_update_exposed
+from .update_cost import UPDATE_HIDDEN_COST, adam_bytes_per_elem, adam_seconds_per_elem, overlapped_update_exposed
 from .workload import Workload
 
 PHASES = ("forward", "backward", "grad", "grad_to_os", "grad_replica", "spread", "grad_norm")
@@ -112,6 +113,8 @@ class Options:
     # embedding, the head) in the forward and the backward, parameters under its persistence threshold
     # (the norms) never gathered, gradients reduce-scattered in buckets (one collective per unit here)
     granularity: str = "unit"
+    # amsp.optimizer_kernel: the AdamW kernel the run uses (update_cost.adam_bytes_per_elem prices its bytes)
+    optimizer_kernel: str = "auto"
     # A cap on model states (params + grads + optimizer states, bytes per rank) besides the device
     # fit: a budget stated per parameter (the ZeRO papers' memory regime, the shoot-out's), or room
     # kept for something this model does not see. None: only the device memory binds.
@@ -128,6 +131,7 @@ class Options:
             raise ValueError(f"overlap slowdown must be in [0, 1], got {self.overlap_slowdown}")
         if self.state_budget_bytes is not None and self.state_budget_bytes <= 0:
             raise ValueError(f"model-state budget must be > 0 bytes, got {self.state_budget_bytes}")
+        adam_bytes_per_elem(self.optimizer_kernel)  # a kernel it cannot price is an error here
         if self.spread_window < 1:
             raise ValueError(f"amsp.spread_window={self.spread_window} must be >= 1 (units whose parameter "
                              f"spread may be in flight at once)")
@@ -262,7 +266,7 @@ class CostModel:
             self.F = w.block_forward_flops() / rate
             self.B = w.block_backward_flops() / rate  # includes full recomputation's extra forward
             self.edge_s = 3 * w.head_forward_flops() / rate  # embedding: no matmul FLOPs
-            self.opt_s_per_elem = None
+            self.opt_s_per_elem = self.opt_kernel = None
             self.compute_source = f"FLOPs at {self.o.mfu:.0%} MFU of the {self.c.name} peak"
         else:
             for name in ("block_forward_s", "block_backward_s", "head_forward_backward_s", "embedding_s"):
@@ -272,8 +276,12 @@ class CostModel:
             self.B = prof.block_backward_s + (prof.block_forward_s if w.recompute == "full" else 0.0)
             # a pipelined rank is priced as its slowest stage, the head's (Workload.unit_roles)
             self.edge_s = prof.head_forward_backward_s + (prof.embedding_s if w.pp == 1 else 0.0)
-            self.opt_s_per_elem = prof.optimizer_s_per_elem
+            self.opt_s_per_elem, self.opt_kernel = prof.optimizer_s_per_elem, prof.optimizer_kernel
             self.compute_source = prof.source
+            timed, run = prof.optimizer_kernel or "fused", "fused" if self.o.optimizer_kernel == "auto" \
+                else self.o.optimizer_kernel
+            if prof.optimizer_s_per_elem is not None and timed != run:  # said, as the rate is a guess then
+                self.compute_source += f"; AdamW rate timed with {timed}, scaled by bytes to {run}"
         if w.recompute == "selective":
             self.B += self.selective_recompute_s()
 
@@ -460,10 +468,9 @@ class CostModel:
         s = padded_numel(self._numel[role], deg)
         # weights that are the master are updated in place: no separate compute-weight write
         weight_write = 0 if self._master_is_weights else self._pb
-        if self.opt_s_per_elem is not None:  # measured on fp32 masters; a separate weight copy writes more
-            opt = s // deg.os * self.opt_s_per_elem * (ADAM_BYTES_PER_ELEM + weight_write) / ADAM_BYTES_PER_ELEM
-        else:
-            opt = s // deg.os * (ADAM_BYTES_PER_ELEM + weight_write) / (self.c.memory_bandwidth_gbs * 1e9)
+        # measured on fp32 masters (with the kernel the profile names); a separate weight copy writes more
+        opt = s // deg.os * adam_seconds_per_elem(self.o.optimizer_kernel, weight_write, self.opt_s_per_elem,
+                                                  self.opt_kernel, self.c.memory_bandwidth_gbs * 1e9)
         exposed = {"forward": fwd_total, "backward": (m - 1) * bwd(0.0) + bwd_last, "spread": spread_exposed}
         raw = sum(x.seconds * x.count for x in cs.values())
         hidden = max(0.0, raw - sum(exposed.values()))

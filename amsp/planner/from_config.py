@@ -56,6 +56,7 @@ def options_from_config(cfg: DictConfig, compute: ComputeProfile | None = None) 
     return Options(mfu=p.mfu, memory_margin=p.memory_margin, reserved_bytes=int(p.reserved_gib * 2**30),
                    overlap_spread=bool(spread), spread_window=int(window), overlap_slowdown=p.overlap_slowdown,
                    overlap_update=bool(OmegaConf.select(cfg, "amsp.overlap_update", default=False)),
+                   optimizer_kernel=str(OmegaConf.select(cfg, "amsp.optimizer_kernel", default="auto")),
                    compute=compute,
                    state_budget_bytes=None if p.state_budget_gib is None else p.state_budget_gib * 2**30)
 

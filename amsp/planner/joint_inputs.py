@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .update_cost import adam_bytes_per_elem
 from .workload import Workload
 
 
@@ -19,7 +20,7 @@ class JointCompute:
     cluster: object  # HeteroCluster, each group's spec carrying its measured overlap slowdown
     efficiency: dict  # group -> fraction of peak
     unit_times: dict  # (group, tp, micro-batch) -> (block, head, embedding) seconds
-    optimizer_s_per_elem: dict  # group -> AdamW seconds per element
+    optimizer_s_per_elem: dict  # group -> AdamW seconds per element, as the fused kernel's (search.Setting's)
     sources: list  # what each group's compute came from, for the report
 
 
@@ -37,8 +38,9 @@ def joint_compute(cluster, profiles: dict, tp_times: dict, model, seq_len: int, 
         if prof is not None:  # the measured block forward against its FLOPs at this kind of node's peak
             w = Workload(model, seq_len, micro_batch, 1, precision)
             eff[g.name] = min(1.0, w.block_forward_flops() / (prof.block_forward_s * spec.peak_flops))
-            if prof.optimizer_s_per_elem is not None:
-                optimizer[g.name] = prof.optimizer_s_per_elem
+            if prof.optimizer_s_per_elem is not None:  # another kernel's rate scaled to the fused one's bytes
+                optimizer[g.name] = prof.optimizer_s_per_elem * adam_bytes_per_elem("fused") \
+                    / adam_bytes_per_elem(prof.optimizer_kernel or "fused")
             if prof.overlap_slowdown is not None and overlap_override is None:
                 spec = dataclasses.replace(spec, overlap_slowdown=prof.overlap_slowdown)
             sources.append(f"{'' if len(cluster.groups) == 1 else g.name + ': '}{prof.source}: one block's "

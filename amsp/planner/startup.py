@@ -137,7 +137,8 @@ def measured_compute(cfg: DictConfig, denv, device: torch.device, compiled: bool
                               model.activation_checkpointing, device, denv.world_size, denv.rank, cache,
                               p.probe_cache, p.overlap_slowdown, cores_shared=cores_shared(device, denv),
                               compiled=blocks_compiled(cfg, device) if compiled is None else compiled,
-                              ranks_per_node=ranks_per_node(cfg, denv.local_world_size))
+                              ranks_per_node=ranks_per_node(cfg, denv.local_world_size),
+                              optimizer_kernel=str(cfg.amsp.optimizer_kernel))
     tp = int(OmegaConf.select(cfg, "parallel.tp", default=1))
     return tp_local_profile(profile, cfg, model, denv, device, tp) if tp > 1 else profile
 

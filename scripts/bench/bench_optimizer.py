@@ -15,6 +15,7 @@ well as wall time; --threads 2 measures the parallel kernels when the machine is
 
     python scripts/bench/bench_optimizer.py                    # 8 units of ~3.9M, 5 rounds of 3 steps
     python scripts/bench/bench_optimizer.py --units 4 --rounds 3 --variants old,fused
+    python scripts/bench/bench_optimizer.py --variants fused,csrc,foreach   # the kernels amsp.optimizer_kernel picks
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from amsp.sharded_optim import AdamWSettings, ShardedAdamW, StepResult  # noqa: E402
 
 SETTINGS = AdamWSettings(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=1.0)
-VARIANTS = ("old", "fused", "foreach")
+VARIANTS = ("old", "fused", "foreach", "csrc")
 
 
 class OldShardedAdamW:
@@ -95,7 +96,8 @@ def block_segments(dim: int, ffn: int) -> tuple[int, list[tuple[int, int]]]:
 def make_units(n: int, numel: int, segs: list, seed: int) -> list:
     g = torch.Generator().manual_seed(seed)
     return [types.SimpleNamespace(device=torch.device("cpu"), layout=types.SimpleNamespace(chunk=numel),
-                                  decay_segments=segs, master=torch.randn(numel, generator=g) * 0.02,
+                                  decay_segments=segs, norm_excluded=[], master_is_weights=True,
+                                  master=torch.randn(numel, generator=g) * 0.02,
                                   exp_avg=torch.zeros(numel), exp_avg_sq=torch.zeros(numel), replicas=1,
                                   os_grad=torch.empty(numel))
             for _ in range(n)]

@@ -245,13 +245,14 @@ def plan_joint(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, glob
                unit_times: dict | None = None, progress=None, overlap_spread: bool = False,
                spread_window: int = 2, optimizer_s_per_elem: dict | None = None,
                kernels: Kernels | None = None, sequence_parallel: bool = True,
-               overlap_update: bool = False) -> list[JointPlan]:
+               overlap_update: bool = False, optimizer_kernel: str = "auto") -> list[JointPlan]:
     """Ranked feasible joint plans (fastest first). InputError when nothing fits, naming what excluded the
     layouts. overlap_spread / spread_window: the engine's (amsp.overlap_spread, amsp.spread_window), for the
-    memory model; kernels / sequence_parallel: what the run executes (Workload.kernels,
-    parallel.sequence_parallel). Layouts training refuses are never priced: pp > 1 with tied embeddings
-    (configs/validate.py), stages that straddle a node part-way (amsp/parallel/mesh.py), fewer micro-batches
-    than stages (amsp/parallel/micro_batches.py); the winner's notes say which were left out."""
+    memory model; kernels / sequence_parallel / optimizer_kernel: what the run executes (Workload.kernels,
+    parallel.sequence_parallel, amsp.optimizer_kernel). Layouts training refuses are never priced: pp > 1
+    with tied embeddings (configs/validate.py), stages that straddle a node part-way (amsp/parallel/mesh.py),
+    fewer micro-batches than stages (amsp/parallel/micro_batches.py); the winner's notes say which were
+    left out."""
     t0 = time.perf_counter()
     world, gpn = cluster.world, cluster.ranks_per_node
     eff = check_efficiency(efficiency or {}, cluster)
@@ -278,7 +279,7 @@ def plan_joint(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, glob
             B = global_batch // (dp * mbs)
             s = Setting(model, seq_len, precision, tp, pp, dp, mbs, B, eff, memory_margin, reserved_bytes,
                         overlap_slowdown, unit_times or {}, overlap_spread, spread_window, optimizer_s_per_elem or {},
-                        kernels, sequence_parallel, overlap_update)
+                        kernels, sequence_parallel, overlap_update, optimizer_kernel)
             cand = _Candidate(s, cluster)
             bounds = cand.split()
             if bounds is None:
@@ -466,7 +467,8 @@ def price_config(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, gl
                  overlap_slowdown: float | None = None, unit_times: dict | None = None,
                  overlap_spread: bool = False, spread_window: int = 2,
                  optimizer_s_per_elem: dict | None = None, kernels: Kernels | None = None,
-                 sequence_parallel: bool = True, overlap_update: bool = False) -> tuple[float, dict] | None:
+                 sequence_parallel: bool = True, overlap_update: bool = False,
+                 optimizer_kernel: str = "auto") -> tuple[float, dict] | None:
     """Predicted step seconds and terms of one named configuration (benchmarks compare it with a run),
     or None when it does not fit. layer_split: blocks per stage (None: the DP's split); the terms carry
     the split priced under "layer_split"."""
@@ -478,7 +480,7 @@ def price_config(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, gl
     s = Setting(model, seq_len, precision, tp, pp, dp, micro_batch_size, B,
                 check_efficiency(efficiency or {}, cluster), memory_margin,
                 reserved_bytes, overlap_slowdown, unit_times or {}, overlap_spread, spread_window,
-                optimizer_s_per_elem or {}, kernels, sequence_parallel, overlap_update)
+                optimizer_s_per_elem or {}, kernels, sequence_parallel, overlap_update, optimizer_kernel)
     cand = _Candidate(s, cluster)
     if layer_split is None:
         bounds = cand.split()

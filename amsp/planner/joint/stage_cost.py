@@ -30,7 +30,7 @@ from ..allocator import margin_for
 from ..comm_time import collective_seconds
 from ..cost_model import layout
 from ..memory_events import collectives_stage_copies, reduce_scatter_inflight_bytes, sync_copy_bytes
-from ..update_cost import ADAM_BYTES_PER_ELEM, UPDATE_HIDDEN_COST, overlapped_update_exposed
+from ..update_cost import UPDATE_HIDDEN_COST, adam_seconds_per_elem, overlapped_update_exposed
 from ..workload import Kernels, Workload
 from .hetero import HeteroCluster, NodeGroup, group_as_cluster
 
@@ -58,8 +58,9 @@ class Setting:
     # the engine's parameter spread (amsp.overlap_spread, amsp.spread_window): where its buffers peak
     overlap_spread: bool = False
     spread_window: int = 2
-    # node preset name -> seconds of one AdamW step per OS element, measured at startup
-    # (compute_profile.time_optimizer); missing: the node's memory bandwidth prices it
+    # node preset name -> seconds of one AdamW step per OS element as the fused kernel's, measured at startup
+    # (compute_profile.time_optimizer; joint_inputs.joint_compute scales another kernel's rate by bytes);
+    # missing: the node's memory bandwidth prices it
     optimizer_s_per_elem: dict = field(default_factory=dict)
     # what the run's device executes (Workload.kernels; None: every op model.fused enables, fused)
     kernels: Kernels | None = None
@@ -67,6 +68,7 @@ class Setting:
     # amsp.overlap_update: on a CUDA node group each unit's update hides behind the forward before it
     # (cost_model.CostModel.update_exposed's rule and UPDATE_HIDDEN_COST, per stage); on CPU it runs inline
     overlap_update: bool = False
+    optimizer_kernel: str = "auto"  # amsp.optimizer_kernel: the bytes its AdamW moves (update_cost.py)
 
     def workload(self, recompute: str = "none") -> Workload:
         # pp = 1: a stage's own layers, priced as one stage of the pipeline when pp > 1
@@ -185,6 +187,12 @@ class StagePricer:
                            for roles in (("head",), ("block", "head"), ("block", "block"))}
                       for rc, wk in ((False, w), (True, wf))}
         self.block_working = w.block_backward_transient_bytes()
+        # one AdamW element's update with the run's kernel, the compute-weight write included where the
+        # weights are a separate copy (as CostModel prices a role's)
+        weight_write = 0 if s.precision.master_is_weights else s.precision.param_bytes
+        self.optimizer_per_elem = adam_seconds_per_elem(s.optimizer_kernel, weight_write,
+                                                        s.optimizer_s_per_elem.get(group.name), "fused",
+                                                        group.spec.memory_bandwidth_gbs * 1e9)
 
     # ---- compute ----
     def update_s(self, n_blocks: int, embed: bool, head: bool, per_elem: float) -> float:
@@ -331,9 +339,7 @@ class StagePricer:
                 per_mb = n_blocks * mb_b + mb_e + mb_h
                 once = n_blocks * once_b + once_e + once_h
                 params = n_blocks * pb + (pe if embed else 0) + (ph if head else 0)
-                rate = self.s.optimizer_s_per_elem.get(self.g.name)
-                per_elem = (rate if rate is not None else
-                            ADAM_BYTES_PER_ELEM / (self.g.spec.memory_bandwidth_gbs * 1e9)) / deg.os
+                per_elem = self.optimizer_per_elem / deg.os
                 # what the compute cannot hide, plus what hiding the rest costs the compute
                 slowdown = self.s.overlap_slowdown if self.s.overlap_slowdown is not None \
                     else self.g.spec.overlap_slowdown
