@@ -90,7 +90,8 @@ def _plan(cfg, denv, device, run_dir, mixed, r, points, profiles: dict, tp_times
         cluster = dataclasses.replace(mixed, groups=tuple(
             dataclasses.replace(g, spec=on_device(with_probe(g.spec, points, p), device)) for g in mixed.groups))
     prec = Precision.named(precision_name(cfg, cluster.groups[0].spec))
-    jc = joint_compute(cluster, profiles, tp_times, model, seq, mbs, prec, p.mfu, p.overlap_slowdown)
+    jc = joint_compute(cluster, profiles, tp_times, model, seq, mbs, prec, p.mfu, p.overlap_slowdown,
+                       str(cfg.amsp.optimizer_kernel))
     cluster, sources = jc.cluster, jc.sources
     kernels = kernels_for_run(cfg, device)
     plans = plan_joint(model, cluster, seq_len=seq, global_batch=global_batch, precision=prec,

@@ -221,7 +221,8 @@ def _run_joint(cfg, args) -> int:
                 raise InputError(f"--compute-profile {args.compute_profile}: node group {group!r} is not in the "
                                  f"cluster (groups: {', '.join(sorted(names))})")
             profiles[(group, mbs)] = prof
-    jc = joint_compute(cluster, profiles, {}, model, seq, mbs, prec, p.mfu, p.overlap_slowdown)
+    jc = joint_compute(cluster, profiles, {}, model, seq, mbs, prec, p.mfu, p.overlap_slowdown,
+                       str(cfg.amsp.optimizer_kernel))
     cluster, eff = jc.cluster, jc.efficiency
     if args.efficiency:
         eff.update(read_efficiency_file(args.efficiency, cluster))

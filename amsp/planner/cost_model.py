@@ -278,8 +278,8 @@ class CostModel:
             self.edge_s = prof.head_forward_backward_s + (prof.embedding_s if w.pp == 1 else 0.0)
             self.opt_s_per_elem, self.opt_kernel = prof.optimizer_s_per_elem, prof.optimizer_kernel
             self.compute_source = prof.source
-            timed, run = prof.optimizer_kernel or "fused", "fused" if self.o.optimizer_kernel == "auto" \
-                else self.o.optimizer_kernel
+            timed = prof.optimizer_kernel or "fused"
+            run = timed if self.o.optimizer_kernel == "auto" else self.o.optimizer_kernel
             if prof.optimizer_s_per_elem is not None and timed != run:  # said, as the rate is a guess then
                 self.compute_source += f"; AdamW rate timed with {timed}, scaled by bytes to {run}"
         if w.recompute == "selective":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .update_cost import adam_bytes_per_elem
+from .update_cost import adam_seconds_per_elem
 from .workload import Workload
 
 
@@ -20,14 +20,16 @@ class JointCompute:
     cluster: object  # HeteroCluster, each group's spec carrying its measured overlap slowdown
     efficiency: dict  # group -> fraction of peak
     unit_times: dict  # (group, tp, micro-batch) -> (block, head, embedding) seconds
-    optimizer_s_per_elem: dict  # group -> AdamW seconds per element, as the fused kernel's (search.Setting's)
+    optimizer_s_per_elem: dict  # group -> AdamW seconds per element of the run's kernel, fp32 masters
     sources: list  # what each group's compute came from, for the report
 
 
 def joint_compute(cluster, profiles: dict, tp_times: dict, model, seq_len: int, micro_batch: int, precision,
-                  mfu: float, overlap_override: float | None) -> JointCompute:
+                  mfu: float, overlap_override: float | None, optimizer_kernel: str = "auto") -> JointCompute:
     """profiles: {(group or None, micro-batch): ComputeProfile} (None: every group); tp_times:
-    {(group or None, tp, micro-batch): (block, head, embedding) s} of the TP units (tp > 1)."""
+    {(group or None, tp, micro-batch): (block, head, embedding) s} of the TP units (tp > 1).
+    optimizer_kernel: the run's amsp.optimizer_kernel; a rate timed with another kernel is scaled to it by
+    the bytes each moves (update_cost.adam_seconds_per_elem)."""
     eff, units, optimizer, sources, groups = {}, {}, {}, [], []
     for g in cluster.groups:
         mine = {m: v for (grp, m), v in profiles.items() if grp in (g.name, None)}
@@ -38,9 +40,9 @@ def joint_compute(cluster, profiles: dict, tp_times: dict, model, seq_len: int, 
         if prof is not None:  # the measured block forward against its FLOPs at this kind of node's peak
             w = Workload(model, seq_len, micro_batch, 1, precision)
             eff[g.name] = min(1.0, w.block_forward_flops() / (prof.block_forward_s * spec.peak_flops))
-            if prof.optimizer_s_per_elem is not None:  # another kernel's rate scaled to the fused one's bytes
-                optimizer[g.name] = prof.optimizer_s_per_elem * adam_bytes_per_elem("fused") \
-                    / adam_bytes_per_elem(prof.optimizer_kernel or "fused")
+            if prof.optimizer_s_per_elem is not None:  # the weight write is the stage pricer's
+                optimizer[g.name] = adam_seconds_per_elem(optimizer_kernel, 0, prof.optimizer_s_per_elem,
+                                                          prof.optimizer_kernel, 1.0)
             if prof.overlap_slowdown is not None and overlap_override is None:
                 spec = dataclasses.replace(spec, overlap_slowdown=prof.overlap_slowdown)
             sources.append(f"{'' if len(cluster.groups) == 1 else g.name + ': '}{prof.source}: one block's "

@@ -30,16 +30,19 @@ def adam_seconds_per_elem(kernel: str, weight_write: int, measured: float | None
     """Seconds per OS element of an update with `kernel` that also writes `weight_write` bytes of compute
     weights: a rate measured with `measured_kernel` on fp32 masters (compute_profile.time_optimizer; None:
     the fused kernel, as caches before the field) scaled by the bytes each moves, else the bytes at the
-    device's memory bandwidth. On a GPU the kernels are memory-bound passes (an H200's profile: 38 bytes a
-    parameter), so their bytes set their ratio; on the 2-core CPU machine they are not purely that
+    device's memory bandwidth. With a measured rate, kernel auto is the one measured: startup resolved
+    auto on the run's device (the fused kernel, or the foreach ops where the device has no fused one).
+    On a GPU the kernels are memory-bound passes (an H200's profile: 38 bytes a parameter), so their
+    bytes set their ratio; on the 2-core CPU machine they are not purely that
     (BENCHMARKS.md, "Sharded AdamW step": against the fused kernel, csrc took 0.88-0.99x of a whole step
     where the bytes say 0.80 and 0.83-1.16x of time_optimizer's single tensor where they say 0.78;
     foreach 2.2-2.7x and 3.3-5.1x for 2.3 and 2.44). So startup times the run's own kernel, and this
     scaling is only the fallback for a profile timed with another one."""
-    moved = adam_bytes_per_elem(kernel) + weight_write
+    timed = measured_kernel or "fused"
+    moved = adam_bytes_per_elem(timed if kernel == "auto" and measured is not None else kernel) + weight_write
     if measured is None:
         return moved / bandwidth_bytes_s
-    return measured * moved / adam_bytes_per_elem(measured_kernel or "fused")
+    return measured * moved / adam_bytes_per_elem(timed)
 
 
 # What an optimizer update on the side stream (amsp.overlap_update) still costs per second of it that the

@@ -63,7 +63,7 @@ def test_the_amsp_planner_prices_the_runs_kernel():
 
 def test_the_joint_planner_prices_the_runs_kernel():
     """Per stage, the same rule: the kernel's bytes, the weight write of a bf16 run, and a profile timed with
-    csrc scaled to the fused rate the search keeps (joint_inputs.joint_compute)."""
+    csrc scaled to the run's kernel (joint_inputs.joint_compute)."""
     cluster = from_spec(load_preset("h100x8", 1).with_shape(2, 2))
     name = cluster.groups[0].name
 
@@ -78,8 +78,9 @@ def test_the_joint_planner_prices_the_runs_kernel():
     assert optimizer_s("auto", rates={name: 5e-9}) == pytest.approx(optimizer_s("auto", "fp32", {name: 5e-9}) * 38 / 36)
     prof = ComputeProfile(0.01, 0.02, 0.005, 0.001, 0.3, "measured", optimizer_s_per_elem=2.8e-9,
                           optimizer_kernel="csrc")
-    jc = joint_compute(cluster, {(None, 2): prof}, {}, TINY, 128, 2, Precision.named("fp32"), 0.4, None)
-    assert jc.optimizer_s_per_elem[name] == pytest.approx(3.6e-9), "as the fused kernel's"
+    for kernel, rate in (("fused", 3.6e-9), ("csrc", 2.8e-9), ("auto", 2.8e-9)):  # auto: the kernel timed
+        jc = joint_compute(cluster, {(None, 2): prof}, {}, TINY, 128, 2, Precision.named("fp32"), 0.4, None, kernel)
+        assert jc.optimizer_s_per_elem[name] == pytest.approx(rate), kernel
 
 
 def test_a_profile_file_names_its_kernel(tmp_path):
@@ -127,3 +128,17 @@ def test_the_report_says_when_the_rate_was_timed_with_another_kernel():
     assert CostModel(w, cluster, Options(compute=prof)).compute_source == "file:p.json"
     scaled = CostModel(w, cluster, Options(compute=prof, optimizer_kernel="csrc")).compute_source
     assert scaled == "file:p.json; AdamW rate timed with fused, scaled by bytes to csrc"
+
+
+def test_auto_is_the_kernel_startup_timed():
+    """Where the device has no fused kernel, auto resolves to the foreach ops at startup, and the profile says
+    so: an auto run is priced at that rate as measured, not scaled as if it ran the fused kernel."""
+    assert adam_seconds_per_elem("auto", 0, 8.8e-9, "foreach", 1e12) == pytest.approx(8.8e-9)
+    assert adam_seconds_per_elem("auto", 2, 8.8e-9, "foreach", 1e12) == pytest.approx(8.8e-9 * 90 / 88)
+    prof = ComputeProfile(0.01, 0.02, 0.005, 0.001, 0.3, "measured", optimizer_s_per_elem=8.8e-9,
+                          optimizer_kernel="foreach")
+    assert _optimizer_s(Options(compute=prof)) == pytest.approx(_optimizer_s(Options(compute=prof,
+                                                                                      optimizer_kernel="foreach")))
+    cluster = from_spec(load_preset("h100x8", 1).with_shape(2, 2))
+    jc = joint_compute(cluster, {(None, 2): prof}, {}, TINY, 128, 2, Precision.named("fp32"), 0.4, None)
+    assert jc.optimizer_s_per_elem[cluster.groups[0].name] == pytest.approx(8.8e-9)

@@ -58,9 +58,9 @@ class Setting:
     # the engine's parameter spread (amsp.overlap_spread, amsp.spread_window): where its buffers peak
     overlap_spread: bool = False
     spread_window: int = 2
-    # node preset name -> seconds of one AdamW step per OS element as the fused kernel's, measured at startup
-    # (compute_profile.time_optimizer; joint_inputs.joint_compute scales another kernel's rate by bytes);
-    # missing: the node's memory bandwidth prices it
+    # node preset name -> seconds of one AdamW step of the run's kernel per OS element on fp32 masters,
+    # measured at startup (compute_profile.time_optimizer; joint_inputs.joint_compute scales a rate timed
+    # with another kernel by bytes); missing: the node's memory bandwidth prices it
     optimizer_s_per_elem: dict = field(default_factory=dict)
     # what the run's device executes (Workload.kernels; None: every op model.fused enables, fused)
     kernels: Kernels | None = None
@@ -191,7 +191,7 @@ class StagePricer:
         # weights are a separate copy (as CostModel prices a role's)
         weight_write = 0 if s.precision.master_is_weights else s.precision.param_bytes
         self.optimizer_per_elem = adam_seconds_per_elem(s.optimizer_kernel, weight_write,
-                                                        s.optimizer_s_per_elem.get(group.name), "fused",
+                                                        s.optimizer_s_per_elem.get(group.name), s.optimizer_kernel,
                                                         group.spec.memory_bandwidth_gbs * 1e9)
 
     # ---- compute ----
