@@ -18,6 +18,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -166,6 +167,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="wall-clock limit of the whole run")
     ap.add_argument("--json", help="write raw results here")
     ap.add_argument("--markdown", help="append the table to this file")
+    ap.add_argument("--work", help="folder for the spec, the ranks' logs and the raw results (default: a temporary "
+                                   "one, removed after a successful run and kept after a failed one)")
     a = ap.parse_args()
 
     from models.llama import LlamaConfig
@@ -197,7 +200,22 @@ def main() -> int:
                   f"{'fits' if v['fits'] else 'DOES NOT FIT'} budget {state_budget / 1e6:.1f} MB")
     spec["systems"] = [s for s in systems if s not in skipped]
 
-    tmp = tempfile.mkdtemp(prefix="amspb-shootout-")
+    # The spec, the ranks' logs and the raw results: kept where --work says, else in a temporary folder
+    # that a successful run removes and a failed one keeps (and names) for its logs.
+    tmp = a.work or tempfile.mkdtemp(prefix="amspb-shootout-")
+    os.makedirs(tmp, exist_ok=True)
+    rc = 1
+    try:
+        rc = _run(a, spec, skipped, reg, tmp)
+    finally:
+        if a.work is None and rc == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif rc != 0:
+            print(f"shoot-out failed; its spec, rank logs and raw results are in {tmp}", file=sys.stderr)
+    return rc
+
+
+def _run(a, spec: dict, skipped: dict, reg: dict, tmp: str) -> int:
     spec["out"] = os.path.join(tmp, "raw.json")
     spec_path = os.path.join(tmp, "spec.json")
     with open(spec_path, "w") as f:

@@ -20,10 +20,13 @@ pytestmark = [pytest.mark.slow,
 
 def test_shootout_ddp_vs_amsp_hsdp_same_loss_and_counted_bytes(tmp_path):
     out = tmp_path / "r.json"
+    # its temporary work folder goes where TMPDIR says, and a successful run removes it
+    env = dict(os.environ, TMPDIR=str(tmp_path))
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench", "shootout.py"), "--regime", "comm-fp32",
                         "--rate", "1gbit", "--systems", "ddp,amsp:hsdp", "--rounds", "1", "--warmup-steps", "0",
-                        "--timeout", "400", "--json", str(out)], capture_output=True, text=True, timeout=480)
+                        "--timeout", "400", "--json", str(out)], capture_output=True, text=True, timeout=480, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert not list(tmp_path.glob("amspb-shootout-*")), "the work folder of a successful run is left behind"
     rows = {row["system"]: row for row in json.loads(out.read_text())["rows"]}
     assert rows["ddp"]["final_loss"] == pytest.approx(rows["amsp:hsdp"]["final_loss"], rel=1e-5)
     # DDP's ring all-reduce of the fp32 gradients crosses the links; AMSP hsdp sends half as much.
