@@ -84,7 +84,8 @@ from .cluster import ClusterSpec
 from .comm_time import collective_seconds
 from .compute_profile import ComputeProfile
 from .memory_events import collectives_stage_copies, event_bytes, reduce_scatter_inflight_bytes, sync_copy_bytes
-from .update_cost import UPDATE_HIDDEN_COST, adam_bytes_per_elem, adam_seconds_per_elem, overlapped_update_exposed
+from .update_cost import (UPDATE_HIDDEN_COST, adam_bytes_per_elem, adam_seconds_per_elem, overlapped_update_exposed,
+                          timed_and_priced)
 from .workload import Workload
 
 PHASES = ("forward", "backward", "grad", "grad_to_os", "grad_replica", "spread", "grad_norm")
@@ -278,8 +279,7 @@ class CostModel:
             self.edge_s = prof.head_forward_backward_s + (prof.embedding_s if w.pp == 1 else 0.0)
             self.opt_s_per_elem, self.opt_kernel = prof.optimizer_s_per_elem, prof.optimizer_kernel
             self.compute_source = prof.source
-            timed = prof.optimizer_kernel or "fused"
-            run = timed if self.o.optimizer_kernel == "auto" else self.o.optimizer_kernel
+            timed, run = timed_and_priced(self.o.optimizer_kernel, prof.optimizer_kernel)
             if prof.optimizer_s_per_elem is not None and timed != run:  # said, as the rate is a guess then
                 self.compute_source += f"; AdamW rate timed with {timed}, scaled by bytes to {run}"
         if w.recompute == "selective":

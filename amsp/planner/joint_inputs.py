@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .update_cost import adam_seconds_per_elem
+from .update_cost import scaled_rate
 from .workload import Workload
 
 
@@ -29,7 +29,7 @@ def joint_compute(cluster, profiles: dict, tp_times: dict, model, seq_len: int, 
     """profiles: {(group or None, micro-batch): ComputeProfile} (None: every group); tp_times:
     {(group or None, tp, micro-batch): (block, head, embedding) s} of the TP units (tp > 1).
     optimizer_kernel: the run's amsp.optimizer_kernel; a rate timed with another kernel is scaled to it by
-    the bytes each moves (update_cost.adam_seconds_per_elem)."""
+    the bytes each moves (update_cost.scaled_rate)."""
     eff, units, optimizer, sources, groups = {}, {}, {}, [], []
     for g in cluster.groups:
         mine = {m: v for (grp, m), v in profiles.items() if grp in (g.name, None)}
@@ -41,8 +41,7 @@ def joint_compute(cluster, profiles: dict, tp_times: dict, model, seq_len: int, 
             w = Workload(model, seq_len, micro_batch, 1, precision)
             eff[g.name] = min(1.0, w.block_forward_flops() / (prof.block_forward_s * spec.peak_flops))
             if prof.optimizer_s_per_elem is not None:  # the weight write is the stage pricer's
-                optimizer[g.name] = adam_seconds_per_elem(optimizer_kernel, 0, prof.optimizer_s_per_elem,
-                                                          prof.optimizer_kernel, 1.0)
+                optimizer[g.name] = scaled_rate(optimizer_kernel, prof.optimizer_s_per_elem, prof.optimizer_kernel)
             if prof.overlap_slowdown is not None and overlap_override is None:
                 spec = dataclasses.replace(spec, overlap_slowdown=prof.overlap_slowdown)
             sources.append(f"{'' if len(cluster.groups) == 1 else g.name + ': '}{prof.source}: one block's "

@@ -25,24 +25,35 @@ def adam_bytes_per_elem(kernel: str) -> int:
     return ADAM_BYTES_PER_ELEM[name]
 
 
+def timed_and_priced(kernel: str, measured_kernel: str | None) -> tuple[str, str]:
+    """(the kernel a measured rate was timed with, the kernel the run is priced as) for a run of `kernel`
+    (amsp.optimizer_kernel): a profile without the field was timed with the fused kernel; auto is the
+    kernel timed, as startup resolved auto on the run's device (fused, or foreach without a fused one)."""
+    timed = measured_kernel or "fused"
+    return timed, timed if kernel == "auto" else kernel
+
+
+def scaled_rate(kernel: str, measured: float, measured_kernel: str | None, weight_write: int = 0) -> float:
+    """A rate timed with `measured_kernel` on fp32 masters, for a run of `kernel` that also writes
+    `weight_write` bytes of compute weights: scaled by the bytes each moves."""
+    timed, run = timed_and_priced(kernel, measured_kernel)
+    return measured * (adam_bytes_per_elem(run) + weight_write) / adam_bytes_per_elem(timed)
+
+
 def adam_seconds_per_elem(kernel: str, weight_write: int, measured: float | None, measured_kernel: str | None,
                           bandwidth_bytes_s: float) -> float:
     """Seconds per OS element of an update with `kernel` that also writes `weight_write` bytes of compute
     weights: a rate measured with `measured_kernel` on fp32 masters (compute_profile.time_optimizer; None:
-    the fused kernel, as caches before the field) scaled by the bytes each moves, else the bytes at the
-    device's memory bandwidth. With a measured rate, kernel auto is the one measured: startup resolved
-    auto on the run's device (the fused kernel, or the foreach ops where the device has no fused one).
-    On a GPU the kernels are memory-bound passes (an H200's profile: 38 bytes a parameter), so their
-    bytes set their ratio; on the 2-core CPU machine they are not purely that
-    (BENCHMARKS.md, "Sharded AdamW step": against the fused kernel, csrc took 0.88-0.99x of a whole step
+    the fused kernel, as caches before the field) scaled by the bytes each moves (scaled_rate), else the
+    bytes at the device's memory bandwidth. On a GPU the kernels are memory-bound passes (an H200's
+    profile: 38 bytes a parameter), so their bytes set their ratio; on the 2-core CPU machine they are
+    not purely that (BENCHMARKS.md, "Sharded AdamW step": against the fused kernel, csrc took 0.88-0.99x of a whole step
     where the bytes say 0.80 and 0.83-1.16x of time_optimizer's single tensor where they say 0.78;
     foreach 2.2-2.7x and 3.3-5.1x for 2.3 and 2.44). So startup times the run's own kernel, and this
     scaling is only the fallback for a profile timed with another one."""
-    timed = measured_kernel or "fused"
-    moved = adam_bytes_per_elem(timed if kernel == "auto" and measured is not None else kernel) + weight_write
     if measured is None:
-        return moved / bandwidth_bytes_s
-    return measured * moved / adam_bytes_per_elem(timed)
+        return (adam_bytes_per_elem(kernel) + weight_write) / bandwidth_bytes_s
+    return scaled_rate(kernel, measured, measured_kernel, weight_write)
 
 
 # What an optimizer update on the side stream (amsp.overlap_update) still costs per second of it that the
