@@ -1,7 +1,8 @@
 """Sharded, reshardable, atomic checkpoints on torch.distributed.checkpoint (DCP).
 
 Layout is logical and parameter-keyed: `model.<name>`, `optim.exp_avg.<name>` and
-`optim.exp_avg_sq.<name>` are the full fp32 tensors flattened to 1-D. Each rank writes only the
+`optim.exp_avg_sq.<name>` are the full fp32 tensors, matrices in their full shape (format 2; format 1
+flattened every tensor to 1-D and still loads). Each rank writes only the
 [offset, offset+len) fragments it owns (its OS shard, primary replica only), and on load asks DCP
 for whatever ranges its *current* plan needs, so a checkpoint written under one plan and world
 size loads under any other. Small replicated state (RNG) is saved as plain tensors; everything

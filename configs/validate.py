@@ -184,6 +184,17 @@ def _cross_field_problems(cfg: DictConfig) -> list[str]:
     return out
 
 
+def _ffn_hidden_dim(cfg: DictConfig) -> int | None:
+    """The MLP's hidden size by the model's own rule, or None where the model node does not make a
+    valid config (its bad value is reported by the model build, which names it)."""
+    from configs.schema import to_llama_config
+
+    try:
+        return to_llama_config(cfg.model).ffn_hidden_dim
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
 def _cluster_file_problems(path: str) -> list[str]:
     """A mixed-cluster file that cannot be read, named before any process group exists (its fit to the
     launch is checked at startup, amsp/parallel/mixed_cluster.py)."""
@@ -259,6 +270,10 @@ def _parallel_problems(cfg: DictConfig) -> list[str]:
             v = OmegaConf.select(cfg, f"model.{key}")
             if _int(v) and v % p.tp:
                 out.append(f"parallel.tp={p.tp} is not allowed: model.{key}={v} is not divisible by it")
+        ffn = _ffn_hidden_dim(cfg)  # the MLP's column/row split needs it too (tensor_parallel.check_divisible)
+        if ffn is not None and ffn % p.tp:
+            out.append(f"parallel.tp={p.tp} is not allowed: the MLP's hidden size {ffn} (from model.dim, "
+                       f"model.multiple_of and model.ffn_dim_multiplier) is not divisible by it")
         seq = OmegaConf.select(cfg, "data.seq_len")
         if p.sequence_parallel and _int(seq) and seq % p.tp:
             out.append(f"parallel.sequence_parallel=true is not allowed with data.seq_len={seq}: not divisible "

@@ -61,6 +61,8 @@ def test_bad_value_is_one_line_naming_key_value_and_allowed(key, value, allowed)
     ({"parallel.pp": 2, "parallel.layer_split": [1, 2]}, "summing to model.n_layers"),
     ({"parallel.tp": 3}, "model.n_heads=4 is not divisible"),
     ({"parallel.tp": 2, "data.seq_len": 255}, "set parallel.sequence_parallel=false"),
+    ({"parallel.tp": 2, "model.multiple_of": 1, "model.ffn_dim_multiplier": 1.002},
+     "the MLP's hidden size 683 .* is not divisible by it"),
     ({"parallel.auto": True, "amsp.plan": "zero3"}, "set amsp.plan=auto"),
     ({"parallel.pp": 2, "model.tie_embeddings": True}, "different stages"),
     ({"parallel.tp": 2, "model.compile": "on"}, "model.compile=on is not allowed with parallel.tp=2"),
