@@ -116,7 +116,8 @@ def plan_label(plan: Plan) -> str:
 
 
 COLUMNS = ["rank", "plan", "name", "blocks_p", "blocks_g", "blocks_os", "eh_p", "eh_g", "eh_os",
-           "mem_params_gib", "mem_grads_gib", "mem_optim_gib", "mem_act_gib", "mem_buffers_gib", "mem_total_gib",
+           "mem_params_gib", "mem_grads_gib", "mem_optim_gib", "mem_act_gib", "mem_buffers_gib", "mem_reserve_gib",
+           "mem_total_gib",
            "comm_gather_gb", "comm_rs_gb", "comm_grad_to_os_gb", "comm_replica_gb", "comm_spread_gb",
            "comm_inter_node_gb", "comm_time_s", "exposed_s", "step_time_s", "tokens_per_s_per_gpu", "mfu"]
 
@@ -126,7 +127,10 @@ def row(rank: int, c: PlanCost) -> list:
     g = lambda k: cb.get(k, 0) / 1e9  # noqa: E731
     return [rank, plan_label(c.plan), c.plan.name, b.p, b.g, b.os, e.p, e.g, e.os,
             m["params"] / GIB, m["grads"] / GIB, m["optim"] / GIB, m["activations"] / GIB,
-            (m["gathered"] + m["spread"] + m["buckets"] + m["grad_sync"]) / GIB, c.memory_total / GIB,  # transients
+            # transients, net of the optimizer step's reuse of freed activations (step_reuse <= 0), so the
+            # memory columns add up to the total
+            (m["gathered"] + m["spread"] + m["buckets"] + m["grad_sync"] + m["step_reuse"]) / GIB,
+            m["reserved"] / GIB, c.memory_total / GIB,
             g("forward") + g("backward"), g("grad"), g("grad_to_os"), g("grad_replica"), g("spread"),
             c.inter_node_bytes() / 1e9, sum(c.comm_seconds().values()), c.exposed_total_s, c.step_time_s,
             c.tokens_per_s_per_gpu, c.mfu]
@@ -143,20 +147,20 @@ def format_table(costs: list[PlanCost], header: str = "") -> str:
     small = max(c.memory_total - c.memory["reserved"] for c in costs) < 2**30
     mu, mdiv, cu, cdiv = ("MiB", 2**20, "MB", 1e6) if small else ("GiB", GIB, "GB", 1e9)
     head = (f"{'#':>3} {'plan p/g/os (blocks | emb+head)':<34} {'name':<8}"
-            f"{'P':>7} {'G':>7} {'OS':>7} {'act':>7} {'buf':>7} {'total':>8} |"
+            f"{'P':>7} {'G':>7} {'OS':>7} {'act':>7} {'buf':>7} {'resv':>7} {'total':>8} |"
             f"{'AG':>8} {'RS':>8} {'g->os':>7} {'repl':>7} {'spread':>7} {'inter':>8} |"
             f"{'comm s':>8} {'exposed':>8} {'step s':>8} {'tok/s/gpu':>10} {'MFU':>6}  why")
-    unit = (f"{'':>3} {'':<34} {'':<8}{f'memory per rank, {mu}':^50}|"
+    unit = (f"{'':>3} {'':<34} {'':<8}{f'memory per rank, {mu}':^58}|"
             f"{f'communication per rank per step, {cu}':^51}|{'predicted':^44}")
     lines = ([header] if header else []) + [unit, head, "-" * len(head)]
     for i, c in enumerate(costs):
         r = row(i + 1, c)
-        mem = [v * GIB / mdiv for v in r[9:15]]
-        com = [v * 1e9 / cdiv for v in r[15:21]]
+        mem = [v * GIB / mdiv for v in r[9:16]]
+        com = [v * 1e9 / cdiv for v in r[16:22]]
         lines.append(f"{r[0]:>3} {r[1]:<34} {r[2]:<8}"
-                     + " ".join(f"{v:7.2f}" for v in mem[:5]) + f" {mem[5]:8.2f} |"
+                     + " ".join(f"{v:7.2f}" for v in mem[:6]) + f" {mem[6]:8.2f} |"
                      + f"{com[0]:8.2f} {com[1]:8.2f} {com[2]:7.2f} {com[3]:7.2f} {com[4]:7.2f} {com[5]:8.2f} |"
-                     + f"{r[21]:8.3f} {r[22]:8.3f} {r[23]:8.3f} {r[24]:10.0f} {r[25]:6.1%}  {why(c)}")
+                     + f"{r[22]:8.3f} {r[23]:8.3f} {r[24]:8.3f} {r[25]:10.0f} {r[26]:6.1%}  {why(c)}")
     return "\n".join(lines)
 
 

@@ -37,6 +37,23 @@ def test_reserve_is_runtime_plus_fragmentation_of_the_peak():
     assert m["reserved"] == pytest.approx(2**28 + 0.05 * tensors)
 
 
+def test_the_tables_memory_columns_add_up_to_its_total():
+    """The report's memory columns (P, G, OS, act, buf net of the step's reuse, resv) sum to its total,
+    so a reader can see where every byte of a plan's peak goes (the reserve had no column before)."""
+    from amsp.planner.report import COLUMNS, format_table, row
+
+    w = workload("tiny", seq_len=64, mbs=1, micro_batches=1, precision="bf16")
+    costs = [CostModel(w, flat_cluster(1, 8), Options()).evaluate(make_plan(name, 8, 8))
+             for name in ("ddp", "zero1", "zero3")]
+    first, last = COLUMNS.index("mem_params_gib"), COLUMNS.index("mem_total_gib")
+    for c in costs:
+        r = row(1, c)
+        assert c.memory["reserved"] > 0 and r[COLUMNS.index("mem_reserve_gib")] == c.memory["reserved"] / 2**30
+        assert sum(r[first:last]) == pytest.approx(r[last])
+    header = format_table(costs).splitlines()[1].split()
+    assert header[header.index("buf") + 1] == "resv" and header[header.index("resv") + 1] == "total"
+
+
 def test_spread_joins_the_phase_it_runs_in():
     """Overlapped, the spread is in flight in the next forward; otherwise it follows the update, which
     has freed the OS-shard gradients (a 1/1/4 run's trace: the resident set fell by their 95 MiB before
