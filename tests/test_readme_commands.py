@@ -41,11 +41,20 @@ class Command:
         return f"README.md:{self.line}: {' '.join(self.argv)}"
 
 
+def command_of(line: int, words: list[str]) -> Command | None:
+    """A command from its shell words, leading VAR=value assignments split off (None: nothing left)."""
+    env = []
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+        env.append(tuple(words.pop(0).split("=", 1)))
+    return Command(line, tuple(env), tuple(words)) if words else None
+
+
 def readme_commands(text: str) -> list[Command]:
-    """Commands of the ```bash blocks: continuation lines joined, comments dropped, env prefixes split."""
+    """Commands of the ```bash blocks: continuation lines joined, a quoted argument may span lines
+    (`python -c "..."`), comments dropped, env prefixes split."""
     commands, in_bash, pending, start = [], False, "", 0
     for number, raw in enumerate(text.splitlines(), 1):
-        if raw.startswith("```"):
+        if raw.startswith("```") and not pending:
             in_bash = raw.strip() == "```bash" if not in_bash else False
             continue
         if not in_bash:
@@ -56,12 +65,16 @@ def readme_commands(text: str) -> list[Command]:
         if pending.endswith("\\"):
             pending = pending[:-1] + " "
             continue
-        words, pending = shlex.split(pending, comments=True), ""
-        env = []
-        while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
-            env.append(tuple(words.pop(0).split("=", 1)))
-        if words:
-            commands.append(Command(start, tuple(env), tuple(words)))
+        try:
+            words = shlex.split(pending, comments=True)
+        except ValueError:  # an open quote: the argument goes on on the next line
+            pending += "\n"
+            continue
+        pending = ""
+        cmd = command_of(start, words)
+        if cmd:
+            commands.append(cmd)
+    assert not pending, f"an unterminated command from line {start}"
     return commands
 
 
