@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 PLANS_TABLE = "planner/plans"
 # Chosen-plan columns of the planner's table copied into the config (name in the config: column).
 PREDICTED = {"step_time_s": "step_time_s", "memory_gib_per_rank": "mem_total_gib",
-             "tokens_per_s_per_gpu": "tokens_per_s_per_gpu", "mfu": "mfu", "exposed_comm_s": "exposed_s"}
+             "tokens_per_s_per_gpu": "tokens_per_s_per_gpu", "mfu": "mfu", "exposed_comm_s": "exposed_s",
+             "optimizer_s": "optimizer_s"}
 
 
 def plan_summary(plan: Plan, setting: str, planned: PlanOutcome | None = None) -> dict[str, Any]:

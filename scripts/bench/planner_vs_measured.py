@@ -85,7 +85,7 @@ def main() -> int:
             continue
         c = model.evaluate(parse_plan(text, nodes * rpn, rpn))
         r = rows[s]
-        table.append((s, str(c.plan).split("(")[-1].rstrip(")"), c.step_time_s, c.exposed_total_s,
+        table.append((s, str(c.plan).split("(")[-1].rstrip(")"), c.step_time_s, c.exposed_comm_s,
                       c.inter_node_bytes() / 1e6, r["median_step_s"], r["inter_node_mb_per_step"]))
     if len(table) < 3:
         raise SystemExit("need at least 3 AMSP plans for a rank correlation")

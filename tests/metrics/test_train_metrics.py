@@ -45,6 +45,8 @@ def test_train_writes_metrics_wandb_offline_and_plot(tmp_path):
     chosen = wb.config["chosen_plan"]
     assert chosen["chosen_by"] == "planner" and chosen["blocks"] == {"p": 1, "g": 1, "os": 1}
     assert chosen["predicted"]["step_time_s"] > 0 and chosen["predicted"]["memory_gib_per_rank"] > 0
+    # one rank talks to nobody: its optimizer step is not reported as exposed communication
+    assert chosen["predicted"]["exposed_comm_s"] == 0 and chosen["predicted"]["optimizer_s"] > 0
     assert chosen["bandwidth_source"] in ("preset", "alpha-beta", "probe", "cache")
     table = wb.table(PLANS_TABLE)
     assert table["data"][0][table["columns"].index("rank")] == 1 and len(table["data"]) == chosen["alternatives"]

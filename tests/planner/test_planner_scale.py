@@ -14,6 +14,7 @@ from amsp.planner.cluster import AlphaBeta, BandwidthCurve, ClusterSpec, cluster
 from amsp.planner.compute_profile import ComputeProfile
 from amsp.planner.comm_time import collective_seconds, ring_seconds, tree_all_reduce_seconds
 from amsp.planner.cost_model import CostModel, Options
+from amsp.planner.report import COLUMNS, format_table, row
 from amsp.planner.simulate import simulate
 from amsp.planner.workload import Workload
 from amsp.schedule import Precision
@@ -109,6 +110,12 @@ def test_one_rank_has_no_communication():
     assert cost.exposed_s["grad_norm"] == 0 and cost.exposed_s.get("contention", 0) == 0
     assert cost.step_time_s == pytest.approx(cost.compute_s + cost.exposed_s["optimizer"])
     assert cost.exposed_comm_s == 0 and cost.exposed_s["optimizer"] > 0  # the step is not communication
+    # and the report's table says so: no exposed communication, the optimizer in a column of its own
+    r = dict(zip(COLUMNS, row(1, cost)))
+    assert r["exposed_s"] == 0 and r["optimizer_s"] == cost.exposed_s["optimizer"]
+    assert r["step_time_s"] == pytest.approx(cost.compute_s + r["exposed_s"] + r["optimizer_s"])
+    header = format_table([cost]).splitlines()[1].split()
+    assert header[header.index("exposed") + 1:header.index("exposed") + 4] == ["opt", "s", "step"]
 
 
 def test_one_node_has_no_inter_node_term():
