@@ -16,12 +16,11 @@ import os
 import pathlib
 import re
 import shlex
-import subprocess
 import sys
 
 import pytest
 
-from tests.test_readme_commands import ROOT, Command, command_of, compose, readme_commands
+from tests.test_readme_commands import ROOT, Command, command_of, compose, help_texts, readme_commands
 
 DOC = pathlib.Path(os.environ.get("AMSP_BENCHMARKS_UNDER_TEST", ROOT / "BENCHMARKS.md"))  # to show a broken copy fails
 PYTHONS = ("python", "python3", ".venv/bin/python")
@@ -39,7 +38,8 @@ def inline_commands(text: str) -> list[Command]:
     return out
 
 
-COMMANDS = readme_commands(DOC.read_text()) + inline_commands(DOC.read_text())
+TEXT = DOC.read_text()
+COMMANDS = readme_commands(TEXT) + inline_commands(TEXT)
 
 
 def program(cmd: Command) -> tuple[str, ...]:
@@ -93,14 +93,9 @@ def overrides_after(argv, marker: str) -> list[str]:
 
 def test_clis_accept_every_flag_used():
     clis = [c for c in COMMANDS if kind(c) == "cli"]
-    # All at once: each start imports torch, which is most of the time.
-    procs = {p: subprocess.Popen([*p, "--help"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for p in sorted({program(c) for c in clis})}
-    helps = {}
-    for p, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=180)
-        assert proc.returncode == 0, f"{' '.join(p[1:])} --help: {stderr[-2000:]}"
-        helps[p] = set(re.findall(r"--[a-z][a-z0-9-]*", stdout))  # whole options: --round is not --rounds
+    texts = help_texts((*program(c), "--help") for c in clis)
+    # whole options: --round is not --rounds
+    helps = {argv[:-1]: set(re.findall(r"--[a-z][a-z0-9-]*", text)) for argv, text in texts.items()}
     problems = []
     for cmd in clis:
         p = program(cmd)

@@ -232,18 +232,24 @@ def help_argv(cmd: Command) -> tuple[str, ...]:
     return (sys.executable, script, *sub, "--help")
 
 
+def help_texts(argvs, timeout: float = 180) -> dict[tuple[str, ...], str]:
+    """argv -> the --help text it prints, every argv started at once (each start imports torch, which is
+    most of the time); a --help that fails fails the test."""
+    procs = {argv: subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for argv in sorted(set(argvs))}
+    helps = {}
+    for argv, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, f"{' '.join(argv)}: {stderr[-2000:]}"
+        helps[argv] = stdout
+    return helps
+
+
 def test_clis_and_their_flags_exist():
     """`python -m X --help` / `python scripts/bench/Y.py [subcommand] --help` works and lists every
     --flag the README passes (those before a `--` that starts a wrapped command)."""
     commands = by_kind("module-cli") + by_kind("planner") + by_kind("bench")
-    # All at once: each start imports torch, which is most of the time.
-    procs = {argv: subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for argv in sorted({help_argv(c) for c in commands})}
-    helps = {}
-    for argv, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=120)
-        assert proc.returncode == 0, f"{' '.join(argv)}: {stderr[-2000:]}"
-        helps[argv] = stdout
+    helps = help_texts(help_argv(c) for c in commands)
     for cmd in commands:
         own = cmd.argv[:cmd.argv.index("--")] if "--" in cmd.argv else cmd.argv
         for flag in (a.split("=")[0] for a in own if a.startswith("--")):

@@ -39,6 +39,11 @@ class PlanCost:
         return sum(s for ph, s in self.exposed_s.items() if ph != "optimizer")
 
     @property
+    def optimizer_s(self) -> float:
+        """The optimizer step's share of the step (not communication: exposed_comm_s leaves it out)."""
+        return self.exposed_s.get("optimizer", 0.0)
+
+    @property
     def memory_total(self) -> float:
         return sum(self.memory.values())
 
@@ -123,6 +128,10 @@ COLUMNS = ["rank", "plan", "name", "blocks_p", "blocks_g", "blocks_os", "eh_p", 
            "mfu"]
 
 
+_MEMORY_COLUMNS = COLUMNS[COLUMNS.index("mem_params_gib"):COLUMNS.index("mem_total_gib") + 1]
+_COMM_COLUMNS = COLUMNS[COLUMNS.index("comm_gather_gb"):COLUMNS.index("comm_inter_node_gb") + 1]
+
+
 def row(rank: int, c: PlanCost) -> list:
     b, e, m, cb = c.plan.blocks, c.plan.embed_head, c.memory, c.comm_bytes()
     g = lambda k: cb.get(k, 0) / 1e9  # noqa: E731
@@ -136,7 +145,7 @@ def row(rank: int, c: PlanCost) -> list:
             # exposed_s: what communication costs the step (its waits and the slowdown of the compute it
             # hides); the optimizer step is memory-bound compute, a column of its own
             c.inter_node_bytes() / 1e9, sum(c.comm_seconds().values()), c.exposed_comm_s,
-            c.exposed_s.get("optimizer", 0.0), c.step_time_s,
+            c.optimizer_s, c.step_time_s,
             c.tokens_per_s_per_gpu, c.mfu]
 
 
@@ -158,13 +167,14 @@ def format_table(costs: list[PlanCost], header: str = "") -> str:
             f"{f'communication per rank per step, {cu}':^51}|{'predicted':^53}")
     lines = ([header] if header else []) + [unit, head, "-" * len(head)]
     for i, c in enumerate(costs):
-        r = row(i + 1, c)
-        mem = [v * GIB / mdiv for v in r[9:16]]
-        com = [v * 1e9 / cdiv for v in r[16:22]]
-        lines.append(f"{r[0]:>3} {r[1]:<34} {r[2]:<8}"
-                     + " ".join(f"{v:7.2f}" for v in mem[:6]) + f" {mem[6]:8.2f} |"
+        r = dict(zip(COLUMNS, row(i + 1, c)))
+        mem = [r[k] * GIB / mdiv for k in _MEMORY_COLUMNS]
+        com = [r[k] * 1e9 / cdiv for k in _COMM_COLUMNS]
+        lines.append(f"{r['rank']:>3} {r['plan']:<34} {r['name']:<8}"
+                     + " ".join(f"{v:7.2f}" for v in mem[:-1]) + f" {mem[-1]:8.2f} |"
                      + f"{com[0]:8.2f} {com[1]:8.2f} {com[2]:7.2f} {com[3]:7.2f} {com[4]:7.2f} {com[5]:8.2f} |"
-                     + f"{r[22]:8.3f} {r[23]:8.3f} {r[24]:8.3f} {r[25]:8.3f} {r[26]:10.0f} {r[27]:6.1%}  {why(c)}")
+                     + f"{r['comm_time_s']:8.3f} {r['exposed_s']:8.3f} {r['optimizer_s']:8.3f} "
+                     + f"{r['step_time_s']:8.3f} {r['tokens_per_s_per_gpu']:10.0f} {r['mfu']:6.1%}  {why(c)}")
     return "\n".join(lines)
 
 

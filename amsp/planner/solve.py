@@ -30,7 +30,7 @@ class PlannerResult:
     def table(self) -> str:
         c = self.chosen
         head = (f"chosen plan: {c.plan}  predicted step {c.step_time_s:.3f} s (compute {c.compute_s:.3f} s, "
-                f"optimizer {c.exposed_s.get('optimizer', 0.0):.3f} s, "
+                f"optimizer {c.optimizer_s:.3f} s, "
                 f"exposed communication {c.exposed_comm_s:.3f} s), {c.memory_total / 2**30:.2f} of "
                 f"{c.device_memory / 2**30:.1f} GiB per rank; ILP over {self.candidates} triples per group "
                 f"solved in {self.solve_s:.2f} s")
