@@ -68,9 +68,12 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
     u = prob.add_variable("grad_buckets_gib", lowBound=t.bucket_floor / GIB)
     c = prob.add_variable("sync_copies_gib", lowBound=0)
 
+    def linear(coef):  # sum of x[k] * coef(k), built as one expression: x[k] * c made one object a term
+        return pulp.LpAffineExpression([(var, float(coef(k))) for k, var in x.items()])
+
     def role_expr(role, per_role):
-        gi = t.role_group[role]
-        return pulp.lpSum(x[gi, ci] * (per_role[role][ci] / GIB) for (g, ci) in x if g == gi)
+        gi, table = t.role_group[role], per_role[role]
+        return pulp.LpAffineExpression([(var, float(table[ci]) / GIB) for (g, ci), var in x.items() if g == gi])
 
     for n, pair in enumerate(t.pairs):
         prob += z >= pulp.lpSum(role_expr(r, t.gathered) for r in pair), f"gathered_set_{n}"
@@ -81,17 +84,15 @@ def solve(t: GroupTerms, time_limit_s: float = 20.0) -> tuple[Choice | None, flo
     for role in t.spread:
         prob += y >= role_expr(role, t.spread), f"spread_{role}"
     fwd_spread, step_spread = (t.spread_window * y, 0) if t.spread_in_forward else (0, t.spread_window * y)
-    prob += (pulp.lpSum(x[k] * (t.state_bytes[k] / GIB) for k in x) + z + u + fwd_spread <= budget,
-             "memory_per_rank")
+    states = linear(lambda k: t.state_bytes[k] / GIB)
+    prob += states + z + u + fwd_spread <= budget, "memory_per_rank"
     # the step phase: the OS-shard gradients, then (spread after the update) the spread that follows
-    prob += (pulp.lpSum(x[k] * ((t.state_bytes[k] + t.sync_bytes[k]) / GIB) for k in x) + c
-             <= t.budget_bytes / GIB, "memory_at_step")
+    prob += linear(lambda k: (t.state_bytes[k] + t.sync_bytes[k]) / GIB) + c <= t.budget_bytes / GIB, "memory_at_step"
     if not t.spread_in_forward:
-        prob += (pulp.lpSum(x[k] * (t.state_bytes[k] / GIB) for k in x) + step_spread <= t.budget_bytes / GIB,
-                 "memory_at_spread")
+        prob += states + step_spread <= t.budget_bytes / GIB, "memory_at_spread"
     if state_budget < float("inf"):
-        prob += pulp.lpSum(x[k] * (t.state_bytes[k] / GIB) for k in x) <= state_budget, "model_state_budget"
-    prob += pulp.lpSum(x[k] * (t.exposed_s[k] * 1e3) for k in x)
+        prob += states <= state_budget, "model_state_budget"
+    prob += linear(lambda k: t.exposed_s[k] * 1e3)
     with warnings.catch_warnings():
         # PuLP 3.3 deprecates PULP_CBC_CMD in favour of a separately installed CBC (pulp[cbc]); the
         # bundled binary is what ships with the pinned PuLP, so keep it and keep the log clean.

@@ -57,6 +57,29 @@ def test_ilp_equals_exhaustive(case):
     assert memory_grid[i, j] == pytest.approx(got.memory_bytes, rel=1e-12)
 
 
+def _ranked_by_sorting_everything(terms, k):
+    """ranked() as it was before it stopped sorting every fitting pair: the reference for its shortcut."""
+    import numpy as np
+
+    time_grid, memory_grid = exhaustive.grid(terms)
+    states = terms.state_bytes[0][:, None] + terms.state_bytes[1][None, :]
+    ok = np.argwhere((memory_grid <= terms.budget_bytes) & (states <= terms.state_budget_bytes))
+    order = np.lexsort((ok[:, 1], ok[:, 0], memory_grid[ok[:, 0], ok[:, 1]], time_grid[ok[:, 0], ok[:, 1]]))[:k]
+    return [(terms.candidates[a], terms.candidates[b], float(time_grid[a, b]), float(memory_grid[a, b]))
+            for a, b in ok[order]]
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.sampled_from([1, 3, 10, 50]))
+def test_ranked_alternatives_equal_a_full_sort(case, k):
+    """The ranked table keeps only the pairs no slower than the k-th: same plans, same order, ties included
+    (the zero-overlap-slowdown cases and tiny models tie many plans)."""
+    w, cluster, options = case
+    terms = GroupTerms.build(CostModel(w, cluster, options))
+    got = [(c.plan.blocks, c.plan.embed_head, c.step_time_s, c.memory_bytes) for c in exhaustive.ranked(terms, k)]
+    assert got == _ranked_by_sorting_everything(terms, k)
+
+
 def test_memory_constraint_binds():
     """A memory budget between the plans' needs forces the ILP away from the fastest plan."""
     w = workload("llama2_7b", seq_len=2048, mbs=1, micro_batches=4, recompute="full")
