@@ -117,6 +117,11 @@ def sentencepiece_to_hf(sp: spm.SentencePieceProcessor, name: str = "sentencepie
     return tok
 
 
+# sentencepiece's longest training line in bytes; it skips longer lines without a word at minloglevel=2, so
+# writers of training text cut their lines to this (data/tokenizer.py write_training_text).
+MAX_SENTENCE_BYTES = 16384
+
+
 def train_bpe(input_files: Sequence[str], model_prefix: str, vocab_size: int, *, byte_fallback: bool = True,
               max_sentences: int = 2_000_000, threads: int | None = None) -> str:
     """Train a BPE model from plain-text files (one sentence per line); returns the .model path.
@@ -132,7 +137,7 @@ def train_bpe(input_files: Sequence[str], model_prefix: str, vocab_size: int, *,
         byte_fallback=byte_fallback, pad_id=0, unk_id=1, bos_id=2, eos_id=3,
         normalization_rule_name="identity", remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
         split_digits=True, input_sentence_size=max_sentences, shuffle_input_sentence=True,
-        max_sentence_length=16384, num_threads=threads or max(1, os.cpu_count() or 1), minloglevel=2,
+        max_sentence_length=MAX_SENTENCE_BYTES, num_threads=threads or max(1, os.cpu_count() or 1), minloglevel=2,
         train_extremely_large_corpus=False,
     )
     # Sentence sampling is random in sentencepiece; a fixed seed keeps cached tokenizers reproducible.

@@ -20,9 +20,10 @@ import re
 import tempfile
 from typing import Sequence
 
+from amsp.errors import one_line_errors
 from data.errors import DataError
 from data.tok_base import DOCUMENT_FORMAT, EXPECTED_KINDS, Tokenizer  # noqa: F401 - DOCUMENT_FORMAT re-exported
-from data.tok_sentencepiece import train_bpe  # noqa: F401 - re-exported
+from data.tok_sentencepiece import MAX_SENTENCE_BYTES, train_bpe  # noqa: F401 - train_bpe re-exported
 
 log = logging.getLogger(__name__)
 def _looks_like_tiktoken(head: bytes) -> bool:
@@ -86,16 +87,43 @@ def check_fits_model(tok: Tokenizer, model_vocab_size: int, multiple: int) -> in
     return padded
 
 
+def sentence_pieces(line: str, limit: int = MAX_SENTENCE_BYTES) -> list[str]:
+    """`line` (no newline) cut into pieces of at most `limit` UTF-8 bytes, at the last space of each
+    window where there is one in its second half, else at a character boundary: sentencepiece drops
+    a longer training line whole (a minified file, a document without newlines), so its text would
+    never reach the vocabulary."""
+    data = line.encode("utf-8")
+    if len(data) <= limit:
+        return [line]
+    out, start = [], 0
+    while len(data) - start > limit:
+        end = start + limit
+        space = data.rfind(b" ", start + limit // 2, end)
+        if space > start:
+            end = space + 1  # the space stays with the piece before it
+        else:
+            while data[end] & 0xC0 == 0x80:  # a UTF-8 continuation byte: back to its character's start
+                end -= 1
+        out.append(data[start:end].decode("utf-8"))
+        start = end
+    out.append(data[start:].decode("utf-8"))
+    return out
+
+
 def write_training_text(inputs: Sequence[str], out_file: str, text_field: str = "text",
                         max_docs: int | None = None) -> int:
     """Documents (data/sources.py: JSONL, Parquet, text, folders) as plain text for sentencepiece,
-    which reads one sentence per line; returns the number of documents."""
+    which reads one sentence per line; lines over its limit are cut (sentence_pieces). Returns the
+    number of documents."""
     from data.sources import iter_documents
 
-    n = 0
+    n = cut = 0
     with open(out_file, "w", encoding="utf-8") as f:
         for text in iter_documents(inputs, text_field=text_field):
-            f.write(text if text.endswith("\n") else text + "\n")
+            for line in text.removesuffix("\n").split("\n"):  # sentencepiece's lines: \n only
+                pieces = sentence_pieces(line)
+                cut += len(pieces) > 1
+                f.writelines(p + "\n" for p in pieces)
             n += 1
             if n % 10000 == 0:
                 log.info("read %d documents", n)
@@ -103,6 +131,9 @@ def write_training_text(inputs: Sequence[str], out_file: str, text_field: str = 
                 break
     if n == 0:
         raise DataError(",".join(inputs), f"no document has text in field {text_field!r}")
+    if cut:
+        log.info("cut %d lines longer than sentencepiece's %d-byte limit into pieces (it skips longer lines)",
+                 cut, MAX_SENTENCE_BYTES)
     return n
 
 
@@ -121,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     inputs = [p for item in a.input for p in item.split(",") if p]
-    try:
+    with one_line_errors():  # a DataError is one line on stderr and exit code 2, as in data.preprocess
         os.makedirs(os.path.dirname(os.path.abspath(a.prefix)), exist_ok=True)
         with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(a.prefix))) as tmp:
             text_file = os.path.join(tmp, "documents.txt")
@@ -129,8 +160,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             log.info("training on %d documents (%.1f MB of text)", docs, os.path.getsize(text_file) / 1e6)
             path = train_bpe([text_file], a.prefix, a.vocab_size, byte_fallback=not a.no_byte_fallback,
                              max_sentences=a.max_sentences)
-    except DataError as e:
-        raise SystemExit(f"error: {e}") from None
     print(f"wrote {path} ({load_tokenizer(path).vocab_size} pieces, from {docs} documents)")
 
 

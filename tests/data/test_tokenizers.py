@@ -172,5 +172,21 @@ def test_cli_trains_on_documents_not_raw_jsonl(tmp_path, texts, capsys, monkeypa
     # sentencepiece saw the documents' text, one after the other, not the JSONL records.
     assert seen["text"] == "".join(t if t.endswith("\n") else t + "\n" for t in texts)
     assert load_tokenizer(str(tmp_path / "tok.model")).vocab_size == 400
-    with pytest.raises(SystemExit, match="no text field 'body'"):
+    with pytest.raises(SystemExit) as e:
         main(["--input", str(src), "--prefix", str(tmp_path / "t2"), "--vocab-size", "400", "--text-field", "body"])
+    assert e.value.code == 2  # as data.preprocess: an input error is exit code 2 and one line on stderr
+    assert "no text field 'body'" in capsys.readouterr().err
+
+
+def test_cli_trains_on_every_document_however_long(tmp_path, capsys):
+    """sentencepiece skips a training line over 16384 bytes without a word: a long document without
+    newlines (minified code, a scraped page) never reached the vocabulary, yet the CLI counted it."""
+    words = ["alpha", "beta", "delta"]
+    long_doc = " ".join(words[k % 3] for k in range(24000))  # ~140 KB on one line
+    short = [f"short document {k} about nothing much" for k in range(30)]
+    src = write_jsonl(tmp_path / "docs.jsonl", [long_doc] + short)
+    main(["--input", str(src), "--prefix", str(tmp_path / "tok"), "--vocab-size", "300"])
+    assert "from 31 documents" in capsys.readouterr().out
+    tok = load_tokenizer(str(tmp_path / "tok.model"))
+    # The long document's words are the corpus's most frequent: whole pieces of the vocabulary.
+    assert all(len(tok.encode(w)) == 1 for w in ("alpha", "beta", "delta"))
