@@ -70,12 +70,11 @@ def _plan(cfg, denv, device, run_dir, mixed, r, points, profiles: dict, tp_times
     from configs.schema import to_llama_config
 
     from ..planner.allocator import describe_margin
-    from ..planner.from_config import cluster_spec, on_device, planner_config, precision_name
+    from ..planner.from_config import cluster_spec, on_device, planner_config, run_precision
     from ..planner.joint.hetero import from_spec
     from ..planner.joint.search import format_joint, plan_joint
     from ..planner.joint_inputs import joint_compute
     from ..planner.startup import kernels_for_run, with_probe
-    from ..schedule import Precision
 
     p = planner_config(cfg)
     model = to_llama_config(cfg.model)
@@ -89,7 +88,7 @@ def _plan(cfg, denv, device, run_dir, mixed, r, points, profiles: dict, tp_times
         # the run's device is every group's (a GPU preset named for a CPU run runs its updates inline)
         cluster = dataclasses.replace(mixed, groups=tuple(
             dataclasses.replace(g, spec=on_device(with_probe(g.spec, points, p), device)) for g in mixed.groups))
-    prec = Precision.named(precision_name(cfg, cluster.groups[0].spec))
+    prec = run_precision(cfg, cluster.groups[0].spec)  # gradients in amsp.grad_comm, as the engine
     jc = joint_compute(cluster, profiles, tp_times, model, seq, mbs, prec, p.mfu, p.overlap_slowdown,
                        str(cfg.amsp.optimizer_kernel))
     cluster, sources = jc.cluster, jc.sources

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import pathlib
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -66,6 +67,15 @@ def mixed_cluster_for_run(cfg: DictConfig, world: int, local_world: int, device,
     return cluster
 
 
+def _kind(g) -> str:
+    """The preset a node group's GPUs should match: its preset's name, or for a single node type's own file
+    (its preset is that file's path, hetero.read_cluster_file) the cluster name the file gives."""
+    from amsp.planner.device_preset import preset_path
+
+    preset = g.preset or g.name
+    return g.name if preset_path(preset) == pathlib.Path(preset) else preset
+
+
 def launch_problems(cluster, world: int, device_names: list, preset_for_device) -> list[str]:
     """What about this launch contradicts the cluster file (its groups shaped with the launch's ranks per
     node): its size, or a rank whose GPU is of another kind than its group's preset (device_names[r]: None
@@ -78,9 +88,10 @@ def launch_problems(cluster, world: int, device_names: list, preset_for_device) 
     for rank, (group, name) in enumerate(zip(cluster.group_names_by_rank(), device_names, strict=True)):
         g = next(x for x in cluster.groups if x.name == group)
         seen = preset_for_device(name) if name else None
-        if seen is not None and seen != (g.preset or g.name):
+        kind = _kind(g)
+        if seen is not None and seen != kind:
             wrong.append(f"rank {rank} (node {rank // r}) runs on {name} ({seen}) but the file puts "
-                         f"it in group {group} ({g.preset or g.name})")
+                         f"it in group {group} ({kind})")
     if wrong:
         return [", ".join(wrong[:4]) + (f" and {len(wrong) - 4} more" if len(wrong) > 4 else "") +
                 ": launch the hosts in the file's group order"]

@@ -18,6 +18,7 @@ imports torch (the probe and the compute measurement run inside train.py), so it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -27,15 +28,15 @@ import sys
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from amsp.batch_geometry import batch_geometry
 from amsp.errors import InputError
-from amsp.schedule import Precision
 from configs.schema import register_configs
 
 from .compute_profile import load_profile, load_profiles
 from .allocator import describe_margin
 from .cost_model import CostModel, overlap_slowdown_of
 from .from_config import (cluster_spec, options_from_config, planner_config, precision_name,
-                          refuse_state_budget_for_joint, with_model_parallel, workload_from_config)
+                          refuse_state_budget_for_joint, run_precision, with_model_parallel, workload_from_config)
 from .report import NoFeasiblePlan, cluster_json, format_table, plan_cost_json
 from .simulate import DEFAULT_GPUS, format_simulation, simulate
 from .solve import parse_plan, plan_cluster, price_plan
@@ -67,11 +68,26 @@ def checked_config(overrides: list[str]):
     return cfg
 
 
+# What the joint planner chooses itself: an override of these would be silently replaced by its choice.
+JOINT_CHOOSES = ("parallel.tp", "parallel.pp", "parallel.layer_split")
+
+
+def overridden(overrides: list[str], keys) -> list[str]:
+    """The Hydra overrides (key=value, +key=value, ++key=value, ~key) that set one of `keys`, in order."""
+    out = []
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        if key in keys:
+            out.append(o)
+    return out
+
+
 def refuse_ignored_options(mode: str, args) -> None:
     """An option the chosen planner does not read is an error, not silently dropped."""
     if args.joint:
         ignored = [name for name, given in (("simulate", mode == "simulate"), ("--price", bool(args.price)),
                                             ("--collectives tensor", args.collectives != "unit")) if given]
+        ignored += overridden(args.overrides, JOINT_CHOOSES)
         if ignored:
             raise InputError(f"{' and '.join(ignored)}: not available with --joint (the joint planner ranks its "
                              f"whole space; name a plan's tp/pp with parallel.* and use the AMSP planner to price "
@@ -95,10 +111,21 @@ def inputs_json(cfg, w, cluster, options, model: CostModel) -> dict:
                 "param_bytes": w.precision.param_bytes, "grad_bytes": w.precision.grad_bytes,
                 "recompute": w.recompute, "tp": w.tp, "pp": w.pp, "params_per_rank": w.params_per_rank(),
                 "kernels": kernels_json(w.run_kernels)}
+    g = batch_geometry(cfg, model.dp_world, announce=False)  # what the step was priced for, and what was asked
+    workload.update(global_batch=g.global_batch, requested_global_batch=g.requested)
     opts = dataclasses.asdict(options)
     return {"workload": workload, "cluster": cluster_json(cluster), "options": opts,
             "bandwidth_source": cluster.source, "compute_source": model.compute_source,
             "overlap_slowdown": dict(zip(("value", "source"), overlap_slowdown_of(options, cluster)))}
+
+
+def announce_rounded_batch(g, dp_world: int) -> None:
+    """Say once (stderr, whatever the output format) that the step was priced for a rounded batch: the
+    workload takes the batch train.py would (from_config.micro_batches), which logs nothing itself."""
+    if g.rounded:
+        print(f"note: global batch {g.requested} samples does not split into micro-batches of {g.micro_batch} on "
+              f"{dp_world} data-parallel ranks: priced as {g.global_batch} ({g.accumulation} micro-batch(es) per "
+              f"rank per step), as train.py rounds it (trainer.round_global_batch)", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,6 +188,7 @@ def _run(mode: str, args) -> int:
         return 0
     w = workload_from_config(cfg, cluster)
     model = CostModel(w, cluster, options)
+    announce_rounded_batch(batch_geometry(cfg, model.dp_world, announce=False), model.dp_world)
     out(f"model {cfg.model.name}: {w.params_per_rank() / 1e9:.2f}B parameters per rank, seq_len {w.seq_len}, "
         f"{w.micro_batches} micro-batch(es) of {w.micro_batch_size} per rank, {precision_name(cfg, cluster)}, "
         f"recomputation {w.recompute}, tp {w.tp}, pp {w.pp}; compute from {model.compute_source}")
@@ -175,12 +203,26 @@ def _run(mode: str, args) -> int:
         else:
             print(format_table(costs, "priced plans (total > device memory = does not fit):"))
         return 0
-    res = plan_cluster(w, cluster, options, top_k=p.top_k, time_limit_s=p.time_limit_s)
+    with json_error(args.json, lambda: inputs_json(cfg, w, cluster, options, model)):
+        res = plan_cluster(w, cluster, options, top_k=p.top_k, time_limit_s=p.time_limit_s)
     if args.json:
         print(json.dumps({**res.to_json(), "inputs": inputs_json(cfg, w, cluster, options, model)}))
     else:
         print(res.table())
     return 0
+
+
+@contextlib.contextmanager
+def json_error(enabled: bool, inputs):
+    """--json: a plan search that finds nothing still prints a JSON object on stdout (the error and what
+    was priced, inputs()), so a script reading stdout gets one; the error then ends the run as always
+    (one line on stderr, exit status 2)."""
+    try:
+        yield
+    except (NoFeasiblePlan, InputError) as e:
+        if enabled:
+            print(json.dumps({"error": str(e), "inputs": inputs()}))
+        raise
 
 
 def gpu_counts(text: str) -> list[int]:
@@ -208,7 +250,7 @@ def _run_joint(cfg, args) -> int:
     seq, mbs = int(cfg.data.seq_len), int(cfg.trainer.micro_batch_size)
     tokens = OmegaConf.select(cfg, "trainer.global_batch_tokens")
     global_batch = int(tokens) // seq if tokens else int(cfg.trainer.global_batch_size)
-    prec = Precision.named(precision_name(cfg, cluster.groups[0].spec))
+    prec = run_precision(cfg, cluster.groups[0].spec)  # gradients in amsp.grad_comm, as the engine
     # Compute: a profile file (tp 1 units per node group, as train.py's startup measures them), else
     # the fraction of peak each kind of node reaches (--efficiency, else amsp.planner.mfu).
     profiles = {}
@@ -227,20 +269,22 @@ def _run_joint(cfg, args) -> int:
     if args.efficiency:
         eff.update(read_efficiency_file(args.efficiency, cluster))
     log = (lambda msg: None) if args.json else (lambda msg: print(msg, file=sys.stderr))
-    plans = plan_joint(model, cluster, seq_len=seq, global_batch=global_batch, precision=prec,
-                       efficiency=eff, top_k=p.top_k, memory_margin=p.memory_margin,
-                       reserved_bytes=p.reserved_gib * 2**30, overlap_slowdown=p.overlap_slowdown, progress=log,
-                       unit_times=jc.unit_times, optimizer_s_per_elem=jc.optimizer_s_per_elem or None,
-                       overlap_spread=bool(cfg.amsp.overlap_spread), spread_window=int(cfg.amsp.spread_window),
-                       sequence_parallel=bool(cfg.parallel.sequence_parallel),
-                       overlap_update=bool(cfg.amsp.overlap_update), optimizer_kernel=str(cfg.amsp.optimizer_kernel))
     kernels = default_kernels(to_llama_config(cfg.model))  # what plan_joint assumes without a device
+    inputs = {"cluster": cluster.describe(), "model": cfg.model.name, "seq_len": seq, "global_batch": global_batch,
+              "efficiency": eff, "compute": jc.sources, "precision": precision_name(cfg, cluster.groups[0].spec),
+              "grad_bytes": prec.grad_bytes, "kernels": kernels_json(kernels)}
+    with json_error(args.json, lambda: inputs):
+        plans = plan_joint(model, cluster, seq_len=seq, global_batch=global_batch, precision=prec,
+                           efficiency=eff, top_k=p.top_k, memory_margin=p.memory_margin,
+                           reserved_bytes=p.reserved_gib * 2**30, overlap_slowdown=p.overlap_slowdown, progress=log,
+                           unit_times=jc.unit_times, optimizer_s_per_elem=jc.optimizer_s_per_elem or None,
+                           overlap_spread=bool(cfg.amsp.overlap_spread), spread_window=int(cfg.amsp.spread_window),
+                           sequence_parallel=bool(cfg.parallel.sequence_parallel),
+                           overlap_update=bool(cfg.amsp.overlap_update),
+                           optimizer_kernel=str(cfg.amsp.optimizer_kernel))
     if args.json:
         print(json.dumps({"choice": plans[0].to_json(), "alternatives": [x.to_json() for x in plans[1:]],
-                          "inputs": {"cluster": cluster.describe(), "model": cfg.model.name, "seq_len": seq,
-                                     "global_batch": global_batch, "efficiency": eff, "compute": jc.sources,
-                                     "precision": precision_name(cfg, cluster.groups[0].spec),
-                                     "kernels": kernels_json(kernels)}}))
+                          "inputs": inputs}))
     else:
         print(f"model {cfg.model.name}, seq_len {seq}, global batch {global_batch} samples; compute at "
               + ", ".join(f"{k} {v:.0%}" for k, v in eff.items()) + f" of peak ({'; '.join(jc.sources)}); "

@@ -117,6 +117,18 @@ class AlphaBeta:
     gbps: float  # bus bandwidth in the same convention as the curves
 
 
+def alpha_beta_check(cluster: str, scope: str, ab: AlphaBeta) -> None:
+    """A scope's latency and bandwidth as the config keys that set them name them: a collective's time
+    divides by the bandwidth (0 is a ZeroDivisionError deep in the pricing, a negative one a negative
+    time) and adds the latency per ring step (a negative one would make communication gain time)."""
+    if not (0 < ab.gbps < math.inf):
+        raise ValueError(f"cluster {cluster}: cluster.{scope}_bandwidth_gbs={ab.gbps:g} must be a finite number of "
+                         f"GB/s > 0")
+    if not (0 <= ab.latency_s < math.inf):
+        raise ValueError(f"cluster {cluster}: cluster.{scope}_latency_us={ab.latency_s * 1e6:g} must be a finite "
+                         f"number of microseconds >= 0")
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     name: str
@@ -147,6 +159,11 @@ class ClusterSpec:
         if self.shared_cores is not None and not (self.shared_cores[0] >= 1 and 0 < self.shared_cores[1] <= 1):
             raise ValueError(f"cluster {self.name}: shared_cores={self.shared_cores} must be (ranks >= 1, "
                              f"lone-rank time fraction in (0, 1])")
+        if not (0 < self.memory_bandwidth_gbs < math.inf):  # the optimizer step's time divides by it
+            raise ValueError(f"cluster {self.name}: cluster.memory_bandwidth_gbs={self.memory_bandwidth_gbs:g} must be "
+                             f"a finite number of GB/s > 0")
+        for scope, ab in self.fallback.items():
+            alpha_beta_check(self.name, scope, ab)
         if not 0 <= self.overlap_slowdown <= 1:
             raise ValueError(f"cluster {self.name}: overlap_slowdown={self.overlap_slowdown} must be in [0, 1] "
                              f"(compute seconds lost per second of hidden communication)")

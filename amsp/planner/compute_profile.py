@@ -489,9 +489,15 @@ def _profile_from(data, path: str, what: str = "") -> ComputeProfile:
             adam_bytes_per_elem(prof.optimizer_kernel)  # a kernel the price cannot scale from: an error
     except (TypeError, ValueError) as e:
         raise InputError(f"{where}: {e}") from e
-    bad = [f for f in FIELDS if not (0 <= getattr(prof, f) < math.inf)]
-    if bad:
-        raise InputError(f"{where}: {', '.join(bad)} must be finite seconds >= 0")
+    bad = [f for f in FIELDS if not (0 < getattr(prof, f) < math.inf)]
+    if bad:  # a unit measured at no time would price compute as free (MFU above 100%)
+        raise InputError(f"{where}: {', '.join(bad)} must be finite seconds > 0")
+    if prof.overlap_slowdown is not None and not 0 <= prof.overlap_slowdown <= 1:
+        raise InputError(f"{where}: overlap_slowdown={prof.overlap_slowdown:g} must be in [0, 1] (compute seconds "
+                         f"lost per second of hidden communication)")
+    rate = prof.optimizer_s_per_elem
+    if rate is not None and not 0 < rate < math.inf:  # a step per element at no time would be a free update
+        raise InputError(f"{where}: optimizer_s_per_elem={rate:g} must be finite seconds > 0")
     return prof
 
 

@@ -218,13 +218,21 @@ class GroupCost:
     sync_copy_bytes: dict = field(default_factory=dict)  # role -> gloo's copy while its G->OS sync is in flight
 
 
+def profile_origin(source: str) -> str:
+    """Where a compute profile's figures came from, for the report: a --compute-profile file (its source
+    is "file:PATH", compute_profile.load_profile) was not measured by this run's startup."""
+    if source.startswith("file:"):
+        return f"--compute-profile {source.removeprefix('file:')}"
+    return "measured at startup"
+
+
 def overlap_slowdown_of(options: Options, cluster: ClusterSpec) -> tuple[float, str]:
     """(the overlap slowdown the cost model prices with, where it comes from): the configured value, else
     the compute profile's measurement, else the cluster preset's figure."""
     if options.overlap_slowdown is not None:
         return options.overlap_slowdown, "amsp.planner.overlap_slowdown"
     if options.compute is not None and options.compute.overlap_slowdown is not None:
-        return options.compute.overlap_slowdown, "measured at startup"
+        return options.compute.overlap_slowdown, profile_origin(options.compute.source)
     return cluster.overlap_slowdown, "the preset's"
 
 

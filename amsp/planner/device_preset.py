@@ -47,11 +47,19 @@ def preset_for_device(device_name: str) -> str | None:
     return None
 
 
+def preset_path(preset: str) -> pathlib.Path:
+    """The YAML of a node group's preset: a configs/cluster/ name, or the absolute path of a single node
+    type's cluster file that read_cluster_file names as its own preset (its figures are that file's)."""
+    p = pathlib.Path(preset)
+    return p if p.is_absolute() and p.suffix in (".yaml", ".yml") else CLUSTER_DIR / f"{preset}.yaml"
+
+
 def load_preset(name: str) -> DictConfig:
-    """configs/cluster/NAME.yaml over the ClusterConfig schema (what `cluster=NAME` composes)."""
+    """configs/cluster/NAME.yaml (or a single node type's file, preset_path) over the ClusterConfig schema
+    (what `cluster=NAME` composes)."""
     from configs.schema import ClusterConfig
 
-    path = CLUSTER_DIR / f"{name}.yaml"
+    path = preset_path(name)
     if not path.exists():
         raise ValueError(f"cluster preset {name!r} not found in {CLUSTER_DIR}")
     data = OmegaConf.to_container(OmegaConf.load(path))

@@ -75,9 +75,10 @@ def precision_name(cfg: DictConfig, cluster: ClusterSpec) -> str:
     return a if a != "auto" else t if t != "auto" else cluster.dtype
 
 
-def _precision(cfg: DictConfig, cluster: ClusterSpec) -> Precision:
-    # As the engine: parameters in the compute dtype, gradients in amsp.grad_comm (auto = fp32, see
-    # amsp.engine.resolve_grad_comm).
+def run_precision(cfg: DictConfig, cluster: ClusterSpec) -> Precision:
+    """What a run moves, for both planners (the data-parallel one here, the joint one in the CLI and at
+    startup): as the engine, parameters in the compute dtype, gradients in amsp.grad_comm (auto = fp32,
+    see amsp.engine.resolve_grad_comm)."""
     compute = Precision.named(precision_name(cfg, cluster))
     grad = OmegaConf.select(cfg, "amsp.grad_comm") or "auto"
     return Precision(param_bytes=compute.param_bytes,
@@ -94,7 +95,7 @@ def workload_from_config(cfg: DictConfig, cluster: ClusterSpec, kernels: Kernels
         raise ValueError(f"amsp.planner.tp*pp={p.tp * p.pp} must divide the world size {cluster.world}")
     return Workload(model=model, seq_len=cfg.data.seq_len, micro_batch_size=cfg.trainer.micro_batch_size,
                     micro_batches=micro_batches(cfg, dp_world),
-                    precision=_precision(cfg, cluster),
+                    precision=run_precision(cfg, cluster),
                     recompute=model.activation_checkpointing, tp=p.tp, pp=p.pp, kernels=kernels,
                     sequence_parallel=bool(OmegaConf.select(cfg, "parallel.sequence_parallel", default=True)),
                     **pipeline_schedule(cfg, p.pp))

@@ -98,7 +98,7 @@ def test_injected_profile_changes_the_prediction(tmp_path, capsys):
     assert out["inputs"]["compute_source"] == f"file:{path}"
     assert out["chosen"]["compute_s"] == pytest.approx(expected)
     # The overlap slowdown priced with, and where it came from, is what the cluster line and the JSON say.
-    assert out["inputs"]["overlap_slowdown"] == {"value": 0.3, "source": "measured at startup"}
+    assert out["inputs"]["overlap_slowdown"] == {"value": 0.3, "source": f"--compute-profile {path}"}
     assert CostModel(w, cluster, Options(compute=prof)).overlap_slowdown == 0.3
     assert overlap_slowdown_of(Options(), cluster) == (cluster.overlap_slowdown, "the preset's")
     assert overlap_slowdown_of(Options(compute=prof, overlap_slowdown=0.5), cluster) == \

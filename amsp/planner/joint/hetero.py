@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from amsp.errors import InputError
 
 from ..cluster import ClusterSpec, cluster_from_config
+from ..device_preset import preset_path
 
 CLUSTER_DIR = pathlib.Path(__file__).resolve().parents[3] / "configs" / "cluster"
 
@@ -120,12 +121,13 @@ class HeteroCluster:
 
 
 def load_preset(name: str, nodes: int) -> ClusterSpec:
-    """A configs/cluster/<name>.yaml preset as a ClusterSpec of `nodes` nodes."""
+    """A configs/cluster/<name>.yaml preset (or a single node type's file, preset_path) as a ClusterSpec
+    of `nodes` nodes."""
     from omegaconf import OmegaConf
 
     from configs.schema import ClusterConfig
 
-    path = CLUSTER_DIR / f"{name}.yaml"
+    path = preset_path(name)
     if not path.is_file():
         have = sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml"))
         raise InputError(f"no cluster preset {name!r} in {CLUSTER_DIR} (have: {', '.join(have)})")
@@ -154,9 +156,26 @@ _GROUP_KEYS = ("name", "preset", "nodes")
 _MIXED_KEYS = ("name", "node_groups", "inter_group_gbs")
 
 
+def _check_preset_keys(path: pathlib.Path, raw: dict) -> None:
+    """A file without node_groups is read as one node type's preset (configs/cluster/): refused when a key
+    is neither (a misspelt `node_group:`) or when it has no figures of a node at all (an empty file)."""
+    from configs.schema import ClusterConfig
+
+    fields = [f.name for f in dataclasses.fields(ClusterConfig)]
+    unknown = sorted(set(map(str, raw)) - set(fields) - {"defaults"})
+    if unknown:
+        raise InputError(f"{path}: unknown key(s) {', '.join(unknown)}; a cluster file has node_groups (a mixed "
+                         f"cluster: {', '.join(_MIXED_KEYS)}) or a single node type's preset fields "
+                         f"({', '.join(fields)})")
+    if not set(raw) - {"name", "nodes", "defaults"}:
+        raise InputError(f"{path}: neither node_groups nor a node type's figures (peak_tflops, "
+                         f"device_memory_gib, ...: the fields of a configs/cluster/ preset)")
+
+
 def read_cluster_file(path: str | pathlib.Path) -> tuple[str, list[tuple[str, str, int]], dict]:
     """(name, [(group name, preset, nodes)], inter_group_gbs) of a mixed-cluster YAML, or of a plain preset
-    file as one group; InputError naming the file and the key when it is malformed."""
+    file as one group whose preset is the file's own path (preset_path); InputError naming the file and
+    the key when it is malformed."""
     from omegaconf import OmegaConf
 
     path = pathlib.Path(path)
@@ -171,11 +190,12 @@ def read_cluster_file(path: str | pathlib.Path) -> tuple[str, list[tuple[str, st
     name = raw.get("name", path.stem)
     if not isinstance(name, str) or not name:
         raise InputError(f"{path}: name={name!r}; the cluster's name is a non-empty string")
-    if "node_groups" not in raw:  # a plain preset: one group of its own nodes
+    if "node_groups" not in raw:  # a plain preset: one group of its own nodes, priced from this file
         nodes = raw.get("nodes", 1)
         if not _whole_at_least_one(nodes):
             raise InputError(f"{path}: nodes={nodes!r}; a cluster has a whole number of nodes >= 1")
-        return path.stem, [(path.stem, path.stem, nodes)], {}
+        _check_preset_keys(path, raw)
+        return name, [(name, str(path.resolve()), nodes)], {}
     unknown = sorted(set(map(str, raw)) - set(_MIXED_KEYS))
     if unknown:
         raise InputError(f"{path}: unknown key(s) {', '.join(unknown)}; a mixed cluster has {', '.join(_MIXED_KEYS)}")
@@ -209,7 +229,8 @@ def read_cluster_file(path: str | pathlib.Path) -> tuple[str, list[tuple[str, st
 
 
 def load_hetero(path: str | pathlib.Path, resolve=load_preset) -> HeteroCluster:
-    """A mixed-cluster YAML (see the module docstring), or a plain preset file as one node group.
+    """A mixed-cluster YAML (see the module docstring), or a single node type's cluster file (a
+    configs/cluster/ preset's fields) as one node group priced from that file's own figures.
     resolve(preset, nodes) -> ClusterSpec builds each group's spec (training startup resolves a preset as
     `cluster=<preset>` would: measured CPU figures, the device's real memory)."""
     name, groups, inter = read_cluster_file(path)

@@ -46,7 +46,9 @@ class JointPlan:
     stage_nodes: list[str]  # node group each stage runs on
     schedule: str
     step_s: float
-    terms: dict  # seconds: pipeline_compute, bubble, boundary_sends, tp_comm, amsp_exposed, optimizer
+    # seconds: pipeline_compute, bubble, boundary_sends, tp_comm, amsp_exposed, optimizer. tp_comm is not
+    # added to the step: the TP collectives run inside each block, so pipeline_compute already holds them
+    terms: dict
     stage_memory_gib: list[float]
     stage_budget_gib: list[float]
     decided_by: str = ""
@@ -392,7 +394,8 @@ def _full(dp: int):
 _TERM_WORDS = {
     "pipeline_compute_s": "the slowest stage's compute", "bubble_s": "the pipeline bubble",
     "imbalance_s": "stage imbalance", "boundary_sends_s": "activation sends between stages",
-    "tp_comm_s": "tensor-parallel collectives", "amsp_exposed_s": "exposed AMSP communication",
+    "tp_comm_s": "tensor-parallel collectives (within the stage compute)",
+    "amsp_exposed_s": "exposed AMSP communication",
     "optimizer_s": "the optimizer step",
     "idle_cores_reused_s": "the cores idle pipeline stages hand to busy ones (CPU ranks sharing cores; <= 0)",
 }

@@ -1,0 +1,158 @@
+"""Planner inputs that used to crash deep in the pricing or be used silently: cluster figures, compute
+profiles, cluster files, options the joint planner does not read, the gradient dtype and a rounded
+batch. Each is one line and exit status 2, or is honoured and said (python -m amsp.planner, in-process)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from amsp.errors import InputError
+from amsp.planner.__main__ import main
+from amsp.planner.joint.hetero import load_hetero
+
+V100 = ["model=llama2_7b", "cluster=v100x8", "cluster.nodes=4", "data.seq_len=4096", "trainer.micro_batch_size=1",
+        "trainer.global_batch_tokens=4194304"]
+JOINT = ["--joint", "--json", "model=llama2_7b", "cluster=h100x8", "cluster.nodes=4", "data.seq_len=4096",
+         "trainer.global_batch_size=256"]
+PROFILE = {"block_forward_s": 0.002, "block_backward_s": 0.004, "head_forward_backward_s": 0.001,
+           "embedding_s": 1e-4}
+
+
+def _last_error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("error: "), err
+    return err[-1]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("cluster.inter_bandwidth_gbs=0", "cluster.inter_bandwidth_gbs=0 must be a finite number of GB/s > 0"),
+    ("cluster.intra_bandwidth_gbs=-5", "cluster.intra_bandwidth_gbs=-5 must be a finite number of GB/s > 0"),
+    ("cluster.inter_bandwidth_gbs=inf", "cluster.inter_bandwidth_gbs=inf must be"),
+    ("cluster.inter_latency_us=-1000", "cluster.inter_latency_us=-1000 must be a finite number of microseconds >= 0"),
+    ("cluster.intra_latency_us=nan", "cluster.intra_latency_us=nan must be"),
+    ("cluster.memory_bandwidth_gbs=0", "cluster.memory_bandwidth_gbs=0 must be a finite number of GB/s > 0"),
+    ("cluster.memory_bandwidth_gbs=-3", "cluster.memory_bandwidth_gbs=-3 must be"),
+])
+def test_cluster_bandwidths_and_latencies_are_checked(capsys, override, message):
+    """A zero bandwidth divided the collective or optimizer time (ZeroDivisionError); a negative one or a
+    negative latency priced communication as gaining time (MFU above 100%)."""
+    assert main(V100 + [override]) == 2
+    assert message in _last_error(capsys)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"block_forward_s": 0, "block_backward_s": 0, "head_forward_backward_s": 0, "embedding_s": 0},
+     "block_forward_s, block_backward_s, head_forward_backward_s, embedding_s must be finite seconds > 0"),
+    ({"embedding_s": 0}, "embedding_s must be finite seconds > 0"),
+    ({"overlap_slowdown": 3}, "overlap_slowdown=3 must be in [0, 1]"),
+    ({"overlap_slowdown": -0.5}, "overlap_slowdown=-0.5 must be in [0, 1]"),
+    ({"optimizer_s_per_elem": -1e-9}, "optimizer_s_per_elem=-1e-09 must be finite seconds > 0"),
+    ({"optimizer_s_per_elem": 0}, "optimizer_s_per_elem=0 must be finite seconds > 0"),
+])
+@pytest.mark.parametrize("joint", [False, True])
+def test_compute_profile_values_are_checked(tmp_path, capsys, change, message, joint):
+    path = tmp_path / "prof.json"
+    path.write_text(json.dumps({**PROFILE, **change}))
+    args = ["--compute-profile", str(path), "model=debug", "cluster=h100x8"]
+    assert main((["--joint"] if joint else []) + args) == 2
+    assert f"--compute-profile {path}: {message}" in _last_error(capsys)
+
+
+def test_overlap_slowdown_from_a_profile_file_is_labelled_as_the_file(tmp_path, capsys):
+    path = tmp_path / "prof.json"
+    path.write_text(json.dumps({**PROFILE, "overlap_slowdown": 0.3}))
+    assert main(["--compute-profile", str(path), "model=debug", "cluster=h100x8"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert f"slows compute by 0.30 s/s (--compute-profile {path})" in header and "measured at startup" not in header
+
+
+def test_joint_planner_prices_gradients_in_grad_comm(capsys):
+    """auto (the engine's default) reduces in fp32 on GPU; the joint planner priced bf16 whatever was set.
+    Its stage memory for a plan is now the data-parallel planner's (--price) for the same plan."""
+    out = {}
+    for grad in ("fp32", "bf16"):
+        assert main(JOINT + [f"amsp.grad_comm={grad}"]) == 0
+        out[grad] = json.loads(capsys.readouterr().out)
+    assert out["fp32"]["inputs"]["grad_bytes"] == 4 and out["bf16"]["inputs"]["grad_bytes"] == 2
+    assert out["fp32"]["choice"]["stage_memory_gib"] != out["bf16"]["choice"]["stage_memory_gib"]
+    for grad, res in out.items():
+        c = res["choice"]
+        if (c["tp"], c["pp"]) != (1, 1) or any(c["recompute"]):
+            continue  # the data-parallel planner prices a plan without model parallelism at the same setting
+        p, g, os_ = c["stage_plans"][0]
+        assert main(["--json", "--price", f"{p}/{g}/{os_}", "model=llama2_7b", "cluster=h100x8", "cluster.nodes=4",
+                     "data.seq_len=4096", "trainer.global_batch_size=256",
+                     f"trainer.micro_batch_size={c['micro_batch_size']}", f"amsp.grad_comm={grad}"]) == 0
+        priced = json.loads(capsys.readouterr().out)["priced"][0]
+        assert priced["memory_total_bytes"] / 2**30 == pytest.approx(c["stage_memory_gib"][0], rel=1e-6)
+
+
+def test_hetero_single_type_file_is_priced_from_its_own_figures(tmp_path, capsys):
+    """A plain cluster file took only `nodes` from itself and the rest from the repository preset of its
+    file name; a 16 GiB copy of h100x8 now plans against 16 GiB."""
+    path = tmp_path / "h100x8.yaml"
+    text = open("configs/cluster/h100x8.yaml").read()
+    path.write_text(text.replace("device_memory_gib: 80", "device_memory_gib: 16").replace("nodes: 1", "nodes: 4"))
+    cluster = load_hetero(path)
+    assert [(g.nodes, g.spec.device_memory_bytes) for g in cluster.groups] == [(4, 16 * 2**30)]
+    assert main(["--joint", "--json", "--hetero", str(path), "model=llama2_7b", "data.seq_len=4096",
+                 "trainer.global_batch_size=256"]) == 0
+    choice = json.loads(capsys.readouterr().out)["choice"]
+    assert max(choice["stage_budget_gib"]) <= 16
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "neither node_groups nor a node type's figures"),
+    ("name: x\n", "neither node_groups nor a node type's figures"),
+    ("name: x\nnode_group:\n  - {preset: a100x8, nodes: 2}\n", "unknown key(s) node_group;"),
+    ("name: x\npeak_tflop: 100\n", "unknown key(s) peak_tflop;"),
+])
+def test_hetero_file_without_groups_or_figures_names_what_is_wrong(tmp_path, capsys, text, message):
+    path = tmp_path / "h3.yaml"
+    path.write_text(text)
+    with pytest.raises(InputError) as e:
+        load_hetero(path)
+    assert message in str(e.value) and "no cluster preset" not in str(e.value)
+    assert main(["--joint", "--hetero", str(path), "model=debug"]) == 2
+    assert message in _last_error(capsys)
+
+
+@pytest.mark.parametrize("override", ["parallel.tp=2", "parallel.pp=2", "parallel.layer_split=[16,16]",
+                                      "++parallel.tp=1"])
+def test_joint_refuses_degrees_it_chooses(capsys, override):
+    assert main(["--joint", "model=llama2_7b", "cluster=h100x8", override]) == 2
+    assert f"{override}: not available with --joint" in _last_error(capsys)
+
+
+def test_rounded_batch_is_said_and_in_the_json(capsys):
+    """1024 samples on 6 ranks is priced as 1026: said once on stderr, both figures in inputs.workload."""
+    args = ["--json", "model=llama2_7b", "cluster=h100x8", "cluster.nodes=1", "cluster.ranks_per_node=6",
+            "data.seq_len=4096", "trainer.micro_batch_size=1", "trainer.global_batch_tokens=4194304"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    workload = json.loads(captured.out)["inputs"]["workload"]
+    assert (workload["global_batch"], workload["requested_global_batch"]) == (1026, 1024)
+    notes = [line for line in captured.err.splitlines() if "global batch 1024 samples" in line]
+    assert len(notes) == 1 and "priced as 1026" in notes[0]
+    assert main(args[:-1] + ["trainer.global_batch_size=1026"]) == 0  # nothing to say when it splits
+    captured = capsys.readouterr()
+    assert "global batch" not in captured.err
+    assert json.loads(captured.out)["inputs"]["workload"]["requested_global_batch"] == 1026
+
+
+@pytest.mark.parametrize("joint", [False, True])
+def test_json_without_a_fitting_plan_is_still_json(capsys, joint):
+    args = ["--json", "model=llama2_70b", "cluster=v100x8", "data.seq_len=4096", "trainer.global_batch_size=16"]
+    assert main((["--joint"] if joint else []) + args) == 2
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert "fits" in out["error"] and out["inputs"]
+    assert captured.err.strip().splitlines()[-1] == f"error: {out['error']}"
+
+
+def test_joint_terms_say_tp_comm_is_within_the_compute():
+    from amsp.planner.joint.search import _TERM_WORDS
+
+    assert "within the stage compute" in _TERM_WORDS["tp_comm_s"]
+
