@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from data.blending import BlendedDataset, blending_index, parse_blend
+from data.blending import BlendedDataset, blending_index, parse_blend, reject_duplicates, size_weights
 from data.builtin_corpus import prepare_builtin
 from data.cache import resolve_cache_dir
 from data.dataset import GPTDataset, sample_split_documents
@@ -36,6 +36,9 @@ class TrainData:
     sources: list = field(default_factory=list)  # [(weight, prefix)]: what a checkpoint records (resume_check)
     # How train/validation were drawn: {"split", "split_seed", "valid_documents": {prefix: n}}
     split: dict = field(default_factory=dict)
+    # [(documents, tokens)] of each source, aligned with `sources`: a dataset preprocessed again under the
+    # same prefix is other data for a checkpoint's position (resume_check)
+    sizes: list = field(default_factory=list)
 
 
 def _check_matches_tokenizer(ds: IndexedDataset, tok: Tokenizer) -> None:
@@ -93,8 +96,14 @@ def _sources(cfg: Any, model_vocab_size: int) -> tuple[list[tuple[float, str]], 
         if not cfg.tokenizer:
             raise DataError("data.tokenizer", "is required with data.prefix / data.blend (the tokenizer given to "
                                               "python -m data.preprocess: .model, tokenizer.json or tiktoken)")
+        key = "data.blend" if cfg.blend else "data.prefix"
         specs = parse_blend(cfg.blend) if cfg.blend else [(1.0, str(cfg.prefix))]
-        return [(w, dataset_prefix(p)) for w, p in specs], str(cfg.tokenizer)
+        specs = [(w, dataset_prefix(p, key)) for w, p in specs]
+        reject_duplicates([p for _, p in specs])
+        if specs[0][0] is None:  # Megatron's prefixes without weights: weighted by their tokens
+            prefixes = [p for _, p in specs]
+            specs = list(zip(size_weights(prefixes, [IndexedDataset(p).num_tokens for p in prefixes]), prefixes))
+        return specs, str(cfg.tokenizer)
     if cfg.tokenizer:
         raise DataError("data.tokenizer", "is only used with data.prefix or data.blend; the built-in corpus "
                                           "trains its own")
@@ -130,6 +139,27 @@ def _warn_validation_off(split: list[float], too_small: list[str]) -> None:
     log.warning("validation is off: %s", why)
 
 
+def _held_token_share(ind: IndexedDataset, doc_ids: np.ndarray) -> float:
+    return float(ind.doc_lengths[doc_ids].sum(dtype=np.int64)) / max(1, ind.num_tokens)
+
+
+def _warn_unbalanced_data(share: float, valid_tokens: dict[str, float], members: list[GPTDataset]) -> None:
+    """WARNINGs (rank 0) for splits that are not what data.split suggests: the split is by documents, so
+    one long document drawn for validation can take most of a small corpus's tokens; and a training split
+    too small for the run's samples is read several times over (the samples repeat)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    for prefix, got in valid_tokens.items():
+        if got > 2 * share and got > share + 0.01:
+            log.warning("data: the validation documents of %s hold %.1f%% of its tokens, against the %.1f%% of "
+                        "documents data.split asks for (a few long documents); training keeps %.1f%%", prefix,
+                        100 * got, 100 * share, 100 * (1 - got))
+    for ds in members:
+        if ds.num_epochs > 1:
+            log.warning("data: the training split of %s (%d tokens) is read %d times over by the run's %d samples",
+                        ds.indexed.prefix, int(ds.doc_lengths.sum(dtype=np.int64)), ds.num_epochs, ds.num_samples)
+
+
 def build_data(cfg: Any, *, seq_len: int, seed: int, train_samples: int, model_vocab_size: int) -> TrainData:
     """cfg is the `data` config node; train_samples = steps x global batch."""
     specs, tok_path = _sources(cfg, model_vocab_size)
@@ -141,6 +171,7 @@ def build_data(cfg: Any, *, seq_len: int, seed: int, train_samples: int, model_v
     split_seed = int(cfg.split_seed)
     train_parts, valid_parts, too_small = [], [], []
     valid_docs: dict[str, int] = {}
+    sizes: list[tuple[int, int]] = []
     for w, prefix in specs:
         ind = IndexedDataset(prefix)
         if ind.num_docs == 0:
@@ -148,6 +179,7 @@ def build_data(cfg: Any, *, seq_len: int, seed: int, train_samples: int, model_v
         _check_matches_tokenizer(ind, tok)
         parts = sample_split_documents(ind.num_docs, list(cfg.split), split_seed, idx_path(prefix))
         train_parts.append((w, ind, parts[0]))
+        sizes.append((int(ind.num_docs), int(ind.num_tokens)))
         valid_docs[prefix] = len(parts[1]) if len(parts) > 1 else 0
         if valid_docs[prefix]:
             valid_parts.append((w, ind, parts[1]))
@@ -163,7 +195,10 @@ def build_data(cfg: Any, *, seq_len: int, seed: int, train_samples: int, model_v
     if not math.isfinite(entropy):
         raise DataError("data", "unigram entropy of the training tokens is not finite")
     split = {"split": [float(x) for x in cfg.split], "split_seed": split_seed, "valid_documents": valid_docs}
-    log.info("data: validation = a random %s of the documents drawn with data.split_seed=%d (%s)",
-             f"{cfg.split[1] / sum(cfg.split):.2%}" if len(cfg.split) > 1 else "0%", split_seed,
-             ", ".join(f"{p}: {n} documents" for p, n in valid_docs.items()))
-    return TrainData(tok, padded, train, valid, entropy, specs, split)
+    share = cfg.split[1] / sum(cfg.split) if len(cfg.split) > 1 else 0.0
+    valid_tokens = {ind.prefix: _held_token_share(ind, rng) for _, ind, rng in valid_parts}
+    log.info("data: validation = a random %.2f%% of the documents drawn with data.split_seed=%d (%s)", 100 * share,
+             split_seed, ", ".join(f"{p}: {n} documents" + (f", {valid_tokens[p]:.2%} of its tokens" if n else "")
+                                   for p, n in valid_docs.items()))
+    _warn_unbalanced_data(share, valid_tokens, members)
+    return TrainData(tok, padded, train, valid, entropy, specs, split, sizes)

@@ -12,6 +12,8 @@ of chunks is in flight, and results are written in input order, so memory stays 
 the corpus size. EOS is appended to every document. Outputs are written under temporary names and
 renamed at the end; PREFIX.json records the tokenizer and counts so training can check that the
 dataset matches its tokenizer (Megatron's own tools ignore that file).
+SIGTERM (a Slurm time limit) stops the CLI as Ctrl-C does, removing the temporary files (exit code
+143); those of a run killed outright are removed by the next run at that prefix.
 """
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import re
 import signal
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Iterator, Sequence
@@ -127,13 +131,58 @@ class PreprocessStats:
         return self.tokens / max(self.seconds, 1e-9)
 
 
-def dataset_prefix(path: str) -> str:
+def dataset_prefix(path: str, key: str = "--output-prefix") -> str:
     """The prefix of PREFIX.bin/PREFIX.idx: a trailing .bin or .idx is dropped, as people often name
-    the file they mean (`--output-prefix out/x.bin` writes out/x.bin and out/x.idx, not out/x.bin.bin)."""
+    the file they mean (`--output-prefix out/x.bin` writes out/x.bin and out/x.idx, not out/x.bin.bin).
+    A prefix with no file name (`out/`, `out/.bin`) is refused: it would mean the hidden files
+    out/.bin and out/.idx. `key` is the option or config key named in that error."""
+    prefix = path
     for suffix in (".bin", ".idx"):
         if path.endswith(suffix) and len(path) > len(suffix):
-            return path[:-len(suffix)]
-    return path
+            prefix = path[:-len(suffix)]
+            break
+    if os.path.basename(prefix) in ("", ".", ".."):
+        raise DataError(key, f"{path!r} has no file name; give DIR/NAME to use DIR/NAME.bin and DIR/NAME.idx")
+    return prefix
+
+
+_TEMP_SUFFIX = re.compile(r"\.(?:bin|idx|json)\.tmp-(\d+)")  # IndexedDatasetWriter's and preprocess()'s
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def remove_stale_temp_files(prefix: str, min_age_s: float = 60.0) -> list[str]:
+    """Remove PREFIX.{bin,idx,json}.tmp-PID files that a killed run left (SIGKILL, a lost node): no
+    process PID is alive here and nothing wrote them for min_age_s. The age guard spares a live run on
+    another node of a shared file system, whose PID this machine cannot see. Returns what was removed."""
+    parent, name = os.path.split(os.path.abspath(prefix))
+    if not os.path.isdir(parent):
+        return []  # the writer reports the missing directory
+    removed = []
+    for entry in sorted(os.listdir(parent)):
+        m = _TEMP_SUFFIX.fullmatch(entry[len(name):]) if entry.startswith(name) else None
+        if m is None or int(m.group(1)) == os.getpid() or _pid_alive(int(m.group(1))):
+            continue
+        path = os.path.join(parent, entry)
+        try:
+            if time.time() - os.path.getmtime(path) < min_age_s:
+                continue
+            os.remove(path)
+        except FileNotFoundError:
+            continue  # another run removed it first
+        removed.append(path)
+    if removed:
+        log.warning("removed %d temporary file(s) left by an earlier run that was killed: %s", len(removed),
+                    ", ".join(removed))
+    return removed
 
 
 def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str, *, text_field: str = "text",
@@ -147,6 +196,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str, 
     if workers < 1:
         raise DataError("--workers", f"must be >= 1, got {workers}")
     output_prefix = dataset_prefix(output_prefix)
+    remove_stale_temp_files(output_prefix)
     tok = Tokenizer(tokenizer_model)
     dtype = token_dtype(tok.vocab_size)
     tally: dict[str, SourceTally] = {}
@@ -231,6 +281,17 @@ def read_metadata(prefix: str) -> dict | None:
         raise DataError(path, f"unreadable dataset metadata ({e})") from None
 
 
+class Terminated(BaseException):
+    """SIGTERM (a Slurm time limit or preemption) raised where the main process is, like
+    KeyboardInterrupt for Ctrl-C, so that preprocess() stops the pool and removes its temporary files;
+    a SIGTERM that only killed the process left PREFIX.bin.tmp-PID behind for good."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
+    raise Terminated()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m data.preprocess",
                                  description="Tokenize documents into Megatron-LM .bin/.idx files.")
@@ -251,11 +312,24 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="seconds between throughput lines when stderr is not a terminal (a job log)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    prefix = dataset_prefix(a.output_prefix)
-    with one_line_errors():  # a DataError is one line on stderr and exit code 2
-        s = preprocess(a.input, prefix, a.tokenizer, text_field=a.text_field, workers=a.workers, split=a.split,
-                       text_sample_by=a.text_sample_by, progress=not a.no_progress,
-                       progress_every=a.progress_every)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        with one_line_errors():  # a DataError is one line on stderr and exit code 2
+            try:
+                prefix = dataset_prefix(a.output_prefix)
+                s = preprocess(a.input, prefix, a.tokenizer, text_field=a.text_field, workers=a.workers,
+                               split=a.split, text_sample_by=a.text_sample_by, progress=not a.no_progress,
+                               progress_every=a.progress_every)
+            except Terminated:
+                # Caught inside: one_line_errors imports modules to classify an exception, and a SIGTERM
+                # that cut an import short (datasets is imported lazily) can leave them unimportable.
+                s = None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if s is None:
+        sys.stderr.write(f"stopped by SIGTERM: {a.output_prefix} not written (an earlier dataset there is "
+                         "untouched, temporary files removed)\n")
+        sys.exit(128 + signal.SIGTERM)  # the shell's status for a process killed by SIGTERM
     print(f"wrote {prefix}.bin/.idx: {s.documents} documents, {s.tokens} tokens, {s.text_bytes / 1e6:.1f} MB of "
           f"text in {s.seconds:.1f} s ({s.documents / max(s.seconds, 1e-9):,.0f} docs/s, "
           f"{s.tokens_per_s:,.0f} tokens/s)"

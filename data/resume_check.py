@@ -3,7 +3,8 @@ changes it is refused unless the change is named in trainer.allow_resume_changes
 
 A checkpoint's data position is a count of consumed samples. That count means something only for
 the same sample stream: the same data.seq_len (samples of seq_len + 1 tokens), the same tokenizer
-(file content hash) and the same data sources (prefix or blend, weights included). Resuming with any
+(file content hash) and the same data sources (prefix or blend, weights included, and each source's
+document and token counts: the same prefix preprocessed again is other data). Resuming with any
 of them changed used to continue silently at a shifted position. Now:
 
 - without an override: InputError (exit 2) naming each change, old -> new, and the override;
@@ -41,6 +42,7 @@ def run_identity(seq_len: int, data: Any, model_vocab_size: int) -> dict:
             "tokenizer_file": data.tokenizer.model_file, "tokenizer_vocab_size": int(data.tokenizer.vocab_size),
             "model_vocab_size": int(model_vocab_size),
             "data_sources": [[float(w), os.path.abspath(p)] for w, p in data.sources],
+            "data_sizes": [[int(d), int(t)] for d, t in data.sizes],
             # Which documents are held out for validation decides the training stream too.
             "data_split": {"split": [float(x) for x in data.split.get("split", [])],
                            "split_seed": data.split.get("split_seed")}}
@@ -62,13 +64,25 @@ def changes(old: dict, now: dict) -> dict[str, str]:
                             f"{now['tokenizer_file']} (sha256 {now['tokenizer_sha256'][:12]}){pieces}")
     if "data_sources" in old and [[float(w), p] for w, p in old["data_sources"]] != now["data_sources"]:
         out["data"] = f"data sources {_blend(old['data_sources'])} -> {_blend(now['data_sources'])}"
-    elif "data_sources" in old and old.get("data_split") != now["data_split"]:
-        # Checkpoints written before data.split_seed held out the last documents of each dataset.
-        was = (f"data.split {old['data_split']['split']} with data.split_seed={old['data_split']['split_seed']}"
-               if "data_split" in old else "the last documents of each dataset held out (before data.split_seed)")
-        out["data"] = (f"validation split {was} -> data.split {now['data_split']['split']} with "
-                       f"data.split_seed={now['data_split']['split_seed']}")
+    elif "data_sources" in old:
+        data = [_contents_change(old, now)] if old.get("data_sizes", now["data_sizes"]) != now["data_sizes"] else []
+        if old.get("data_split") != now["data_split"]:
+            # Checkpoints written before data.split_seed held out the last documents of each dataset.
+            was = (f"data.split {old['data_split']['split']} with data.split_seed={old['data_split']['split_seed']}"
+                   if "data_split" in old else "the last documents of each dataset held out (before data.split_seed)")
+            data.append(f"validation split {was} -> data.split {now['data_split']['split']} with "
+                        f"data.split_seed={now['data_split']['split_seed']}")
+        if data:
+            out["data"] = "; ".join(data)
     return out
+
+
+def _contents_change(old: dict, now: dict) -> str:
+    """The sources whose document or token count changed under the same prefix (preprocessed again)."""
+    moved = [f"{p}: {od} documents, {ot} tokens -> {nd} documents, {nt} tokens"
+             for (_, p), (od, ot), (nd, nt) in zip(now["data_sources"], old["data_sizes"], now["data_sizes"])
+             if (od, ot) != (nd, nt)]
+    return "data contents under the same prefix " + "; ".join(moved)
 
 
 def check_vocab_before_load(checkpoint: Path, model_vocab_size: int) -> None:

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import bz2
 import gzip
+import json
 import logging
 import lzma
 import os
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import BinaryIO, Iterator, Sequence
 
 from data.errors import DataError
 
@@ -61,21 +63,29 @@ def is_saved_dataset(path: str) -> bool:
         os.path.isfile(os.path.join(path, "state.json")) and os.path.isfile(os.path.join(path, "dataset_info.json")))
 
 
+def _is_compressed(path: str) -> bool:
+    return os.path.splitext(path)[1].lower() in (".gz", ".zst", ".bz2", ".xz")
+
+
+def _open_bytes(path: str) -> BinaryIO:
+    """The file's bytes as `datasets` reads them: decompressed by suffix."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".zst":
+        import zstandard
+
+        return zstandard.open(path, "rb")
+    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(ext, open)
+    return opener(path, "rb")
+
+
 def _holds_no_bytes(path: str) -> bool:
     """An empty file, or a compressed one that decompresses to nothing (datasets cannot infer a schema
     from either, and they hold no documents)."""
     if os.path.getsize(path) == 0:
         return True
-    ext = os.path.splitext(path)[1].lower()
-    if ext == ".zst":
-        import zstandard
-
-        opener = zstandard.open
-    elif ext in (".gz", ".bz2", ".xz"):
-        opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}[ext]
-    else:
+    if not _is_compressed(path):
         return False
-    with opener(path, "rb") as f:
+    with _open_bytes(path) as f:
         return f.read(1) == b""
 
 
@@ -182,12 +192,98 @@ def _streamed_batches(source: str, builder: str, field: str, split: str, text_sa
         yield batch[field]
 
 
+def _undecodable(line: int, offset: int, e: UnicodeDecodeError, path: str) -> str:
+    of = " of the decompressed data" if _is_compressed(path) else ""
+    return (f"undecodable bytes (not valid UTF-8) on line {line}, at byte offset {offset}{of}: "
+            f"byte 0x{e.object[e.start]:02x}, {e.reason}")
+
+
+def _whole_document_error(path: str) -> tuple[int, str] | None:
+    """The file parsed as one JSON document: None when it is valid, else (line, reason)."""
+    with _open_bytes(path) as f:
+        data = f.read()
+    try:
+        json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        return line, _undecodable(line, e.start, e, path)
+    except ValueError as e:
+        return e.lineno, f"line {e.lineno} is not valid JSON: {e.msg} at column {e.colno}"
+    return None
+
+
+def _first_bad_line(path: str, parse_json: bool) -> str | None:
+    """Where a file that `datasets` could not read first goes wrong, found by reading it again line by
+    line: the problem with its line number, or None when every line reads (the failure was something else).
+    `datasets` names a JSON error by the row of an internal read block and a decoding error by the
+    byte of a chunk, neither of which leads to the line to fix. Runs only after a failure."""
+    offset = 0
+    seen_json = False
+    with _open_bytes(path) as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")  # a newline byte is never inside a UTF-8 sequence
+            except UnicodeDecodeError as e:
+                return _undecodable(n, offset + e.start, e, path)
+            offset += len(raw)
+            if not parse_json or not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except ValueError as e:
+                if not seen_json:
+                    # A .json file may be one document over many lines ("[" alone on line 1 is no
+                    # JSON): parsed whole, it is valid, or its error lies past this line.
+                    whole = _whole_document_error(path)
+                    if whole is None or whole[0] > n:
+                        return None if whole is None else whole[1]
+                return f"line {n} is not valid JSON: {e.msg} at column {e.colno}"
+            seen_json = True
+    return None
+
+
 def _read_error(source: str, builder: str, e: Exception) -> DataError:
+    where = None
+    if builder in ("json", "text") and os.path.isfile(source) and (builder == "json"
+                                                                  or isinstance(e, UnicodeDecodeError)):
+        try:
+            where = _first_bad_line(source, parse_json=builder == "json")
+        except Exception as scan_error:  # noqa: BLE001 - e.g. a corrupt archive: the first error stands
+            log.debug("%s: rescanning after a read error failed: %s", source, scan_error)
+    if where:
+        return DataError(source, where)
     if isinstance(e, UnicodeDecodeError):
         return DataError(source, f"undecodable bytes (not valid UTF-8) at byte {e.start} of a chunk: {e.reason}")
     first = str(e).splitlines()[0] if str(e) else ""
     what = "a saved datasets folder" if builder == SAVED else builder
     return DataError(source, f"cannot read as {what}: {type(e).__name__}: {first}")
+
+
+@contextmanager
+def _datasets_quiet():
+    """`datasets` logs a failed JSON read itself, twice (its own handler and the root's), before it
+    raises; the one line to show is the DataError below, so its logging is off while it reads."""
+    lib = logging.getLogger("datasets")
+    level = lib.level
+    lib.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        lib.setLevel(level)
+
+
+_END = object()
+
+
+def _quietly(batches: Iterator[list]) -> Iterator[list]:
+    """The batches, each read with `datasets`' logging off (restored between batches, while the
+    caller runs)."""
+    while True:
+        with _datasets_quiet():
+            batch = next(batches, _END)
+        if batch is _END:
+            return
+        yield batch
 
 
 def iter_documents(inputs: Sequence[str], text_field: str = "text", split: str = "train",
@@ -212,7 +308,7 @@ def iter_documents(inputs: Sequence[str], text_field: str = "text", split: str =
                 continue  # no documents (and datasets cannot infer a schema from nothing)
             batches = (_saved_batches(source, field, split) if builder == SAVED
                        else _streamed_batches(source, builder, field, split, text_sample_by))
-            for texts in batches:
+            for texts in _quietly(batches):
                 for text in texts:
                     if text is None or text == "":
                         counts.skipped += 1

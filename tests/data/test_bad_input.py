@@ -158,8 +158,11 @@ def test_config_errors_name_the_key(tmp_path, dataset_prefix, tokenizer_model):
     raises_one_line(lambda: build_data(_data_cfg(blend=[[0.5, dataset_prefix], [-1, dataset_prefix]],
                                                  tokenizer=tokenizer_model), seq_len=16, seed=1, train_samples=10,
                                        model_vocab_size=512), "data.blend", "positive")
-    cfg = _data_cfg(blend=[[0.7, dataset_prefix], [0.3, dataset_prefix]], tokenizer=tokenizer_model,
-                    cache_dir=str(tmp_path))
+    second = str(tmp_path / "second")  # another dataset: a prefix listed twice is refused (same sample stream)
+    for ext in (".bin", ".idx", ".json"):
+        shutil.copyfile(dataset_prefix + ext, second + ext)
+    cfg = _data_cfg(blend=[[0.7, dataset_prefix], [0.3, second]], tokenizer=tokenizer_model,
+                    cache_dir=str(tmp_path / "cache"))
     data = build_data(cfg, seq_len=16, seed=1, train_samples=100, model_vocab_size=512)
     assert len(data.train) == 100 and data.valid is not None and 0 < data.unigram_entropy < 7
 

@@ -177,6 +177,34 @@ def test_validation_split_samples_every_source_of_a_prefix_and_follows_split_see
     assert np.isin(data.valid[0], stream).all()
 
 
+def test_a_split_by_documents_that_is_not_what_data_split_says_is_warned(tmp_path, tokenizer_model, caplog):
+    """The split is by documents: one long document drawn for validation took 99% of a small corpus's tokens,
+    and the run trained on the rest many times over, with only an INFO line counting documents."""
+    long = " ".join(f"w{j}" for j in range(3000)) + "\n"
+    docs = _docs("p", 9) + [long]
+    prefix = str(tmp_path / "lopsided")
+    preprocess([str(write_jsonl(tmp_path / "l.jsonl", docs))], prefix, tokenizer_model, progress=False)
+    ind = IndexedDataset(prefix)
+    long_id = int(np.argmax(ind.doc_lengths))
+    for seed in range(200):  # a split seed that draws the long document for validation (1 of 10 held out)
+        if long_id in sample_split_documents(10, [90.0, 10.0], seed, "x")[1]:
+            break
+    cfg = _cfg(prefix=prefix, tokenizer=tokenizer_model, split=[90.0, 10.0], split_seed=seed,
+               cache_dir=str(tmp_path / "c"))
+    with caplog.at_level(logging.INFO, logger="data.pipeline"):
+        data = build_data(cfg, seq_len=16, seed=1, train_samples=64, model_vocab_size=512)
+    held = ind.doc_lengths[long_id] / ind.num_tokens
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(f"validation documents of {prefix} hold {100 * held:.1f}% of its tokens, against the 10.0% of "
+               "documents" in w for w in warnings), warnings
+    train_tokens = int(data.train.doc_lengths.sum())
+    assert any(f"training split of {prefix} ({train_tokens} tokens) is read {data.train.num_epochs} times over"
+               in w for w in warnings), warnings
+    assert data.train.num_epochs > 1
+    info = [r.getMessage() for r in caplog.records if "validation = a random 10.00% of the documents" in r.getMessage()]
+    assert info and f"1 documents, {held:.2%} of its tokens" in info[0], info
+
+
 def test_blend_of_two_preprocessed_corpora_follows_the_weights(tmp_path, tokenizer_model):
     # Letters-only and digits-only corpora: a sample (packed within one corpus) tells its corpus by its tokens.
     words = [" ".join("abcdefgh"[(i + j) % 8] * (j % 3 + 1) for j in range(12)) + "\n" for i in range(30)]

@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 
+from data.indexed_dataset import IndexedDataset
 from data.preprocess import preprocess
 from data.tokenizer import train_bpe
 from tests.data.conftest import stdlib_texts, write_jsonl
@@ -107,6 +108,8 @@ def test_resume_refuses_another_tokenizer_or_data_and_allows_data_when_told(tmp_
     before = snapshot(run)
     meta = latest_meta(run)
     assert meta["tokenizer_vocab_size"] == 400 and meta["data_sources"] == [[1.0, corpus["ds_a"]]]
+    ds_a = IndexedDataset(corpus["ds_a"])  # its contents too: the same prefix preprocessed again is other data
+    assert meta["data_sizes"] == [[ds_a.num_docs, ds_a.num_tokens]]
 
     proc = train(run, "trainer.max_steps=4", f"data.prefix={corpus['ds_b']}", f"data.tokenizer={corpus['tok_b']}",
                  check=False)
