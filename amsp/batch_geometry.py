@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
+from configs.validate import ConfigError  # a ValueError: callers that catch ValueError still do
+
 log = logging.getLogger(__name__)
 
 
@@ -37,7 +39,7 @@ def requested_global_batch(cfg: DictConfig) -> int:
     t = cfg.trainer
     if t.global_batch_tokens:
         if t.global_batch_tokens % cfg.data.seq_len:
-            raise ValueError(f"trainer.global_batch_tokens={t.global_batch_tokens} is not a multiple of "
+            raise ConfigError(f"trainer.global_batch_tokens={t.global_batch_tokens} is not a multiple of "
                              f"data.seq_len={cfg.data.seq_len}")
         return t.global_batch_tokens // cfg.data.seq_len
     return t.global_batch_size
@@ -50,7 +52,7 @@ def batch_geometry(cfg: DictConfig, dp_world: int, *, announce: bool = True) -> 
     if requested % unit == 0:
         return BatchGeometry(requested, mbs, requested // unit, requested)
     if not OmegaConf.select(cfg, "trainer.round_global_batch", default=True):
-        raise ValueError(f"global batch {requested} samples is not divisible by micro_batch_size={mbs} x "
+        raise ConfigError(f"global batch {requested} samples is not divisible by micro_batch_size={mbs} x "
                          f"data-parallel ranks={dp_world} (trainer.round_global_batch=true rounds it)")
     accumulation = max(1, round(requested / unit))
     geometry = BatchGeometry(accumulation * unit, mbs, accumulation, requested)

@@ -434,6 +434,7 @@ class CheckpointManager:
         # Agree before DCP starts: a rank that stopped here would leave the others in its exchange.
         if control.all_reduce_max_int(1 if error is not None else 0):
             raise error if error is not None else CheckpointDamaged(f"{path}: another rank could not read it")
+        _check_nothing_left_out(path, metadata, fragments)
         try:
             dcp.load(tensors, storage_reader=reader, planner=_FragmentLoadPlanner(fragments),
                      process_group=control.group())
@@ -542,3 +543,14 @@ def _check_compatible(path: Path, metadata, fragments: list[Fragment], tensors: 
     missing = [k for k in tensors if k not in stored]
     if missing:
         raise CheckpointMismatch(f"{path}: checkpoint lacks {missing}; it was written by a different setup")
+
+
+def _check_nothing_left_out(path: Path, metadata, fragments: list[Fragment]) -> None:
+    """Collective. The checkpoint's model entries no rank's model takes: with fewer layers (model.n_layers=1
+    on a 2-layer checkpoint) the run would load the first ones, drop the rest and go on as if resumed.
+    Under pipeline parallelism each rank holds its stage's parameters only, so the model is the union."""
+    taken = set().union(*control.all_gather_object(sorted({f.key for f in fragments})))
+    extra = sorted(k for k in metadata.state_dict_metadata if k.startswith("model.") and k not in taken)
+    if extra:  # model.* only: rng.cuda, say, is in a GPU run's checkpoint and a CPU resume may skip it
+        raise CheckpointMismatch(f"{path}: checkpoint has {len(extra)} entries the model lacks ({extra[0]!r}"
+                                 f"{', ...' if len(extra) > 1 else ''}); it was written for a different model")

@@ -149,13 +149,21 @@ def _explicit(triple: tuple, what: str) -> Degrees | None:
     return Degrees(*(int(v) for v in triple))
 
 
+# The amsp.plan values explicit block degrees may come with: neither names degrees of its own.
+EXPLICIT_DEGREES_WITH = ("custom", "auto")
+
+
 def plan_from_settings(name: str, world: int, ranks_per_node: int, blocks: tuple = (None, None, None),
                        embed_head: tuple = (None, None, None)) -> Plan:
     """The plan a user asked for: a preset name, or explicit (p, g, os) degrees for the blocks
-    (name becomes 'custom'), optionally different (p, g, os) for the embedding + head. Explicit
-    block degrees take precedence over the name; 'custom' without degrees is an error."""
+    (name becomes 'custom'), optionally different (p, g, os) for the embedding + head. Block degrees
+    go with amsp.plan=custom or auto (the default, so `amsp.p=.. amsp.g=.. amsp.os=..` alone works); with a
+    preset name they are an error (which did the user mean?), as is 'custom' without degrees."""
     b = _explicit(blocks, "amsp.p/g/os")
     e = _explicit(embed_head, "amsp.embed_head_p/g/os")
     if b is None and name == "custom":
         raise PlanError("amsp.plan=custom needs explicit degrees amsp.p, amsp.g and amsp.os")
+    if b is not None and name not in EXPLICIT_DEGREES_WITH:
+        raise PlanError(f"amsp.plan={name} and explicit degrees amsp.p/g/os={b} are ambiguous: drop the degrees "
+                        f"to run the preset, or drop amsp.plan (or set amsp.plan=custom) to run the degrees")
     return make_plan("custom" if b is not None else name, world, ranks_per_node, blocks=b, embed_head=e)

@@ -41,17 +41,29 @@ class PreemptionHandler:
     requeued job resumes from the checkpoint just written. Under sbatch the previous handlers are
     the defaults and the batch script requeues (scripts/slurm/common.sh).
     """
-    # USR1: Slurm's --signal before the time limit; USR2: submitit's timeout signal; TERM: preemption.
-    SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+    # USR1: Slurm's --signal before the time limit; USR2: submitit's timeout signal; TERM: preemption;
+    # INT: Ctrl-C, which would otherwise lose every step since the last checkpoint.
+    SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+    # A second SIGINT this soon after the first is the same Ctrl-C: a terminal sends it to every process
+    # of its foreground group, and torchrun then forwards the one it got to its children too.
+    SAME_CTRL_C_S = 1.0
 
     def __init__(self) -> None:
         self.received: int = 0
+        self._first_int: float | None = None  # monotonic time of the first SIGINT
         self._previous = {}
         for sig in self.SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
-        self.received = signum
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self._first_int is not None and now - self._first_int > self.SAME_CTRL_C_S:
+                raise KeyboardInterrupt  # a second Ctrl-C: the user will not wait for the checkpoint
+            if self._first_int is None:
+                self._first_int = now
+        if not self.received or signum != signal.SIGINT:  # an earlier preemption signal keeps its hand-over
+            self.received = signum
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -67,7 +79,8 @@ class PreemptionHandler:
         alone (the run then simply exits). Restores the previous handlers first."""
         self.restore()
         previous = self._previous.get(signum)
-        if not callable(previous):
+        # SIGINT's default handler raises KeyboardInterrupt: after a clean save it would only add a traceback
+        if not callable(previous) or previous is signal.default_int_handler:
             return
         log.info("handing %s to the handler installed before training (%s): checkpoint written, requeue is "
                  "its call", signal.Signals(signum).name, getattr(previous, "__qualname__", previous))

@@ -15,6 +15,7 @@ from typing import Any, Callable
 from omegaconf import DictConfig, OmegaConf
 
 from amsp.parallel.micro_batches import SCHEDULES, virtual_stages_problem
+from configs.validate_model import model_problems
 
 # What trainer.allow_resume_changes may name (data/resume_check.py acts on them).
 RESUME_CHANGES = ("seq_len", "tokenizer", "data")
@@ -154,6 +155,7 @@ def validate_config(cfg: DictConfig) -> None:
         if not ok:
             problems.append(f"{rule.key}={_describe(value)} is not allowed: expected {rule.allowed}")
     problems += _cross_field_problems(cfg)
+    problems += model_problems(cfg)  # model.* ranges, then the model's own shape rules
     if problems:
         raise ConfigError("; ".join(problems))
 

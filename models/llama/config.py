@@ -47,11 +47,12 @@ class LlamaConfig:
             self.n_kv_heads = self.n_heads
         problems = []
         if self.dim % self.n_heads:
-            problems.append(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+            problems.append(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
-            problems.append(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+            problems.append(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}")
         if (self.dim // self.n_heads) % 2:
-            problems.append(f"head_dim={self.dim // self.n_heads} must be even for rotary embeddings")
+            problems.append(f"head_dim={self.dim // self.n_heads} (model.dim / model.n_heads) must be even for "
+                            f"rotary embeddings")
         for name, allowed in (
             ("attention", ("auto", "flash_attn", "te", "sdpa")),
             ("norm", ("auto", "te", "torch")),

@@ -131,7 +131,7 @@ def test_every_plan_8_ranks_as_2_nodes_of_4():
 def test_plan_from_settings():
     from amsp.plan import plan_from_settings
 
-    p = plan_from_settings("ddp", 8, 4, blocks=(1, 1, 8), embed_head=(1, 2, 4))
+    p = plan_from_settings("custom", 8, 4, blocks=(1, 1, 8), embed_head=(1, 2, 4))
     assert (p.name, str(p.blocks), str(p.embed_head)) == ("custom", "1/1/8", "1/2/4")
     assert str(plan_from_settings("zero2", 8, 4).blocks) == "1/8/8"
     with pytest.raises(PlanError, match="missing os"):
