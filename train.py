@@ -16,17 +16,19 @@ import pathlib
 import shutil
 import signal
 import sys
+import tempfile
 import time
 
 import hydra
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from amsp import control
 from amsp.checkpoint import CheckpointManager
 from amsp.compile import compile_seconds
-from amsp.errors import EXIT_INPUT, InputError, RunError, one_line_errors
+from amsp.errors import EXIT_INPUT, InputError, RunError, one_line_errors, record_exit_code
 from amsp.exit_gc import skip_shutdown_gc_passes
 from amsp.init_from import init_weights_from
 from amsp.launch import DistEnv, init_distributed, log_backend_choices
@@ -69,7 +71,8 @@ def pick_device_and_dtype(cfg: DictConfig, denv: DistEnv) -> tuple[torch.device,
     if want == "auto":
         want = "cuda" if torch.cuda.is_available() else "cpu"
     if want == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("trainer.device=cuda but CUDA is not available; use trainer.device=cpu")
+        # the command asks for what this machine lacks: rerunning it fails the same way (exit 2, no requeue)
+        raise InputError("trainer.device=cuda but CUDA is not available; use trainer.device=cpu")
     device = torch.device(want, denv.local_rank) if want == "cuda" else torch.device("cpu")
     # CPUs here run bf16 matmuls at under half the fp32 rate, so CPU defaults to fp32.
     name = cfg.trainer.dtype if cfg.trainer.dtype != "auto" else ("bf16" if want == "cuda" else "fp32")
@@ -122,6 +125,7 @@ def make_metrics(cfg: DictConfig, denv: DistEnv, run_dir: pathlib.Path, device: 
 
 
 @hydra.main(version_base=None, config_path="configs", config_name="train")
+@record  # torchrun's error file for a rank that dies of a bug (inside hydra.main, which would report it first)
 def main(cfg: DictConfig) -> None:
     # Known failures end as one line and an exit code that says input (2) or fault (3): amsp/errors.py.
     with one_line_errors(OmegaConf.select(cfg, "logging.level")):
@@ -153,11 +157,11 @@ def run(cfg: DictConfig) -> None:
     ckpt = CheckpointManager(run_dir, keep_last=cfg.trainer.keep_last_checkpoints,
                              async_save=cfg.trainer.async_checkpoint, lock=True)
     resolved = OmegaConf.to_yaml(cfg, resolve=True)
+    config_yaml = resolved  # RUN_DIR/config.yaml, written once the run goes ahead (write_run_files)
     unwritable = None
     if denv.is_main:
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(resolved)
+            check_writable(run_dir)
         except OSError as e:  # read-only file system, no permission, a file where a folder should be
             unwritable = InputError(f"cannot write the run directory {run_dir} ({e.strerror or e}): set "
                                     f"trainer.output_dir / trainer.run_name to a writable place")
@@ -194,7 +198,8 @@ def run(cfg: DictConfig) -> None:
     if joint is not None:
         plan = stage_plan(joint, mesh, denv.rank)
     elif cfg.amsp.plan == "auto" and cfg.amsp.p is None:
-        planned = plan_for_run(cfg, denv, device, run_dir if denv.is_main else None)
+        # plan.txt waits for a resume's checks (write_run_files): a refused resume leaves the run's own
+        planned = plan_for_run(cfg, denv, device, run_dir if denv.is_main and not resuming(cfg, ckpt) else None)
         plan = planned.plan
         # A resumed run continues on the plan its recheck switched to (RUN_DIR/replan.json), not the prior's.
         switched = control.decided_by_rank0(
@@ -217,15 +222,13 @@ def run(cfg: DictConfig) -> None:
     # Checkpoints carry the config with the tokenizer they were trained with (a copy in the run
     # directory), so an export needs nothing but the run directory.
     tokenizer_copy = run_dir / data.tokenizer.copy_name  # tokenizer.model | tokenizer.json | tokenizer.tiktoken
-    if denv.is_main and not (tokenizer_copy.exists() and filecmp.cmp(data.tokenizer.model_file, tokenizer_copy,
-                                                                      shallow=False)):
-        shutil.copyfile(data.tokenizer.model_file, tokenizer_copy)
     resolved = OmegaConf.to_yaml(OmegaConf.merge(cfg, {"data": {"tokenizer": str(tokenizer_copy.resolve())}}),
                                  resolve=True)
     # Pinned batches on CUDA: the engine's copy to the device then does not block the host.
     train_loader = MicroBatchLoader(data.train, gbs, mbs, dp_rank, dp_world, prefetch=cfg.data.prefetch,
                                     pin_device=device)
     check_validation_geometry(data.valid, cfg.trainer.val_samples, mbs, dp_world, announce=denv.is_main)
+    warn_no_validation_set(cfg, data.valid, announce=denv.is_main)
 
     # The AMSP engine builds the model on the meta device and initialises only this rank's shards;
     # the plan is validated (rules named) before anything is allocated.
@@ -276,8 +279,6 @@ def run(cfg: DictConfig) -> None:
     if latest is not None:
         start_step, skipped_total, wandb_id = meta["step"], meta.get("skipped_steps", 0), meta.get("wandb_run_id")
         train_loader.load_state_dict({"consumed_samples": meta["consumed_samples"]})
-        log.info("resumed from checkpoint %s at step %d (%d samples consumed, written by plan %s on %d ranks)",
-                 latest, start_step, meta["consumed_samples"], meta.get("plan"), meta.get("world_size"))
     # What the data position means (seq_len, tokenizer, sources) is recorded with every checkpoint; a
     # resume that changes it is refused unless trainer.allow_resume_changes names it (data/resume_check.py).
     identity = run_identity(seq_len, data, model_cfg.vocab_size)
@@ -292,6 +293,18 @@ def run(cfg: DictConfig) -> None:
             train_loader.source = data.train
         if rebuild or consumed != meta["consumed_samples"]:
             train_loader.load_state_dict({"consumed_samples": consumed})
+        # Only now, every check passed: a refused resume has said nothing of resuming and written nothing.
+        log.info("resumed from checkpoint %s at step %d (%d samples consumed, written by plan %s on %d ranks%s)",
+                 latest, start_step, meta["consumed_samples"], meta.get("plan"), meta.get("world_size"),
+                 written_layout(meta))
+        if start_step >= cfg.trainer.max_steps:
+            log.warning("checkpoint step %d >= trainer.max_steps=%d: nothing to train", start_step,
+                        cfg.trainer.max_steps)
+    if denv.is_main:
+        write_run_files(run_dir, config_yaml, data.tokenizer.model_file, tokenizer_copy,
+                        planned.table if planned is not None and latest is not None else None)
+        if latest is None:  # a fresh start: an earlier run's rows here are not this run's steps
+            set_aside_logs(run_dir, ("metrics.jsonl", "validation.jsonl"))
 
     tokens_per_step = gbs * seq_len
     # Rank 0 starts wandb; a failure there (not logged in, no network) stops every rank with its one line.
@@ -325,7 +338,8 @@ def run(cfg: DictConfig) -> None:
     def save(step: int, final: bool = False) -> None:  # final: NaN/Inf weights are a FaultError
         meta = {"consumed_samples": train_loader.state_dict()["consumed_samples"], "skipped_steps": skips.total,
                 "consecutive_skips": skips.consecutive,  # pruning keeps the checkpoint before a run of skips
-                "wandb_run_id": wandb_run.run_id, "plan": str(engine.plan), "world_size": denv.world_size, **identity}
+                "wandb_run_id": wandb_run.run_id, "plan": str(engine.plan), "world_size": denv.world_size,
+                "tp": 1 if mesh is None else mesh.tp, "pp": 1 if mesh is None else mesh.pp, **identity}
         save_training_state(ckpt, engine, step, meta, resolved, final=final)
 
     def validate(step: int) -> None:
@@ -389,7 +403,8 @@ def run(cfg: DictConfig) -> None:
                     f"stopping. The last good state is saved in {ckpt.root}; lower optim.lr or check the data.")
             signum = preemption.agreed_signal()
             if signum:
-                log.info("received %s: saving checkpoint at step %d and exiting", signal.Signals(signum).name, step)
+                log.info("received %s: saving checkpoint at step %d and exiting%s", signal.Signals(signum).name, step,
+                         " (Ctrl-C again: exit at once, without it)" if signum == signal.SIGINT else "")
                 save(step)
                 break
             if cfg.trainer.checkpoint_interval and step % cfg.trainer.checkpoint_interval == 0 \
@@ -438,6 +453,56 @@ def run(cfg: DictConfig) -> None:
         preemption.hand_over(signum)
 
 
+def check_writable(run_dir: pathlib.Path) -> None:
+    """Make the run directory and a file in it, removed at once: an unwritable place is named before any
+    work, while the run's own files are written only once it goes ahead (write_run_files)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write-test-"):
+        pass
+
+
+def resuming(cfg: DictConfig, ckpt: CheckpointManager) -> bool:
+    """Whether this start will try to load a checkpoint (it may still be refused)."""
+    return bool(cfg.trainer.resume) and (ckpt.latest_name() is not None or bool(ckpt.verified()))
+
+
+def write_run_files(run_dir: pathlib.Path, config_yaml: str, tokenizer_file, tokenizer_copy: pathlib.Path,
+                    plan_table: str | None) -> None:
+    """Rank 0, after a resume's checks passed: the run's config, the planner's table when its writing waited
+    for them, and the tokenizer copy that checkpoints' exports use (copied only when it differs)."""
+    (run_dir / "config.yaml").write_text(config_yaml)
+    if plan_table is not None:
+        (run_dir / "plan.txt").write_text(plan_table + "\n")
+    if not (tokenizer_copy.exists() and filecmp.cmp(tokenizer_file, tokenizer_copy, shallow=False)):
+        shutil.copyfile(tokenizer_file, tokenizer_copy)
+
+
+def set_aside_logs(run_dir: pathlib.Path, names: tuple[str, ...]) -> None:
+    """Rename an earlier run's logs to NAME.<UTC time>.old (kept, never deleted), so a fresh start's rows are
+    not appended to them (a resume trims them to its checkpoint instead: drop_after)."""
+    old = [run_dir / n for n in names if (run_dir / n).exists()]
+    if not old:
+        return
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    moved = []
+    for path in old:
+        dest, k = path.with_name(f"{path.name}.{stamp}.old"), 1
+        while dest.exists():  # two fresh starts within a second
+            k += 1
+            dest = path.with_name(f"{path.name}.{stamp}.{k}.old")
+        os.replace(path, dest)
+        moved.append(f"{path.name} -> {dest.name}")
+    log.warning("fresh start: the earlier run's logs in %s are kept aside: %s", run_dir, ", ".join(moved))
+
+
+def warn_no_validation_set(cfg: DictConfig, valid, announce: bool) -> None:
+    """data.valid_samples=0 builds no validation set, so trainer.val_samples has nothing to evaluate: said as
+    data/pipeline.py says it for an empty validation split, not left to look like validation runs."""
+    if announce and valid is None and cfg.trainer.val_samples > 0 and cfg.data.valid_samples == 0:
+        log.warning("validation is off: data.valid_samples=0 builds no validation set (trainer.val_samples=%d "
+                    "asks for a pass; set data.valid_samples > 0, or trainer.val_samples=0)", cfg.trainer.val_samples)
+
+
 def check_validation_geometry(valid, val_samples: int, mbs: int, dp_world: int, announce: bool) -> None:
     """Validation covers whole rounds of micro_batch_size x data-parallel ranks: a request smaller than one
     round would evaluate nothing and log NaN every time, so it is an input error before the build."""
@@ -478,6 +543,13 @@ def evaluate(engine, batches) -> float:
     return total / count if count > 0 else float("nan")
 
 
+def written_layout(meta: dict) -> str:
+    """', tp 2 pp 2' for a checkpoint written under model parallelism (the plan's degrees are then those of
+    each rank's data-parallel group); '' otherwise and for checkpoints from before the keys existed."""
+    tp, pp = int(meta.get("tp", 1)), int(meta.get("pp", 1))
+    return f", tp {tp} pp {pp}: the plan is each stage's data-parallel group's" if tp * pp > 1 else ""
+
+
 def precheck_overrides(args: list[str]) -> None:
     """Compose the config once with the command line's overrides before Hydra runs the job, so a
     mistyped key, a wrongly typed value or an unknown preset ends as one line with the input exit
@@ -496,7 +568,10 @@ def precheck_overrides(args: list[str]) -> None:
     except (HydraException, OmegaConfBaseException) as e:
         cause = e.__cause__ if e.__cause__ is not None and str(e.__cause__) not in str(e) else None
         text = " ".join(f"{e} {cause or ''}".split())
-        sys.stderr.write(f"config error: {text}\n")
+        rank = os.environ.get("RANK")
+        if rank in (None, "0"):  # the same line on every rank; rank 0's says it (rank-0 logging, as elsewhere)
+            sys.stderr.write(f"config error: {text}\n")
+        record_exit_code(EXIT_INPUT)
         sys.exit(EXIT_INPUT)
 
 

@@ -18,15 +18,13 @@ from .engine import AMSPEngine, EngineOptions
 from .launch import DistEnv
 from .plan import Plan, plan_from_settings
 from .sharded_optim import AdamWSettings
-from .topology import Topology
+from .topology import Topology, checked_ranks_per_node
 
 log = logging.getLogger(__name__)
 
 
 def topology_from(amsp_cfg, denv: DistEnv) -> Topology:
-    rpn = amsp_cfg.ranks_per_node or denv.local_world_size
-    if denv.world_size % rpn:
-        raise ValueError(f"amsp.ranks_per_node={rpn} does not divide the world size {denv.world_size}")
+    rpn = checked_ranks_per_node(denv.world_size, amsp_cfg.ranks_per_node or denv.local_world_size)
     return Topology(denv.world_size, rpn)
 
 
@@ -34,9 +32,7 @@ def plan_from_config(amsp_cfg, topo: Topology) -> Plan:
     c = amsp_cfg
     plan = plan_from_settings(c.plan, topo.world, topo.ranks_per_node, blocks=(c.p, c.g, c.os),
                               embed_head=(c.embed_head_p, c.embed_head_g, c.embed_head_os))
-    if plan.name == "custom" and c.plan not in ("custom", "auto"):
-        log.info("explicit degrees amsp.p/g/os = %s take precedence over amsp.plan=%s", plan.blocks, c.plan)
-    return plan
+    return plan  # explicit degrees with a preset name are refused there (ambiguous)
 
 
 def precision_from_config(amsp_cfg, trainer_dtype: str) -> str:

@@ -94,8 +94,26 @@ def one_line_errors(level: str | None = None):
         # separately, which lets another rank's line land in between.
         sys.stderr.write(f"{prefix}{kind}: {exc}\n")
         sys.stderr.flush()
+        record_exit_code(code)
         _release_process_groups()
         sys.exit(code)
+
+
+def record_exit_code(code: int) -> None:
+    """Leave this rank's exit code in AMSP_EXIT_CODE_DIR (file rank<RANK>) when that is set. torchrun ends
+    with status 1 whatever its workers' codes were, so a job script that wants to tell an input error (2:
+    do not requeue, fix the command) from a fault (3) reads them there (scripts/slurm/common.sh run_step).
+    Best effort: the error line is already written."""
+    where = os.environ.get("AMSP_EXIT_CODE_DIR")
+    if not where:
+        return
+    rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
+    try:
+        os.makedirs(where, exist_ok=True)
+        with open(os.path.join(where, f"rank{rank}"), "w") as f:
+            f.write(f"{int(code)}\n")
+    except OSError as e:
+        log.debug("cannot record exit code %s in %s: %s", code, where, e)
 
 
 def _release_process_groups(wait_s: float = 10.0) -> None:

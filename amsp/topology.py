@@ -11,6 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from amsp.errors import InputError
+
+
+def checked_ranks_per_node(world: int, ranks_per_node: int) -> int:
+    """amsp.ranks_per_node (or the launcher's ranks per machine) as the node size of a world: a value that
+    does not divide it is the user's input, refused in one line (Topology's own check is an invariant)."""
+    if ranks_per_node < 1 or world % ranks_per_node:
+        raise InputError(f"amsp.ranks_per_node={ranks_per_node} does not divide the world size {world} (nodes must "
+                         f"hold equal numbers of ranks); set it to a divisor of {world} or leave it unset")
+    return ranks_per_node
+
 
 @dataclass(frozen=True)
 class Topology:

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from amsp import control
 from amsp.plan import Plan
-from amsp.topology import Topology
+from amsp.topology import Topology, checked_ranks_per_node
 
 from .from_config import (cluster_spec, cpu_shared_cores, machine_ranks, options_from_config, planner_config,
                           with_model_parallel, workload_from_config)
@@ -59,7 +59,7 @@ def plan_for_run(cfg: DictConfig, denv, device: torch.device | str = "cpu",
     device = torch.device(device)
     cfg = with_model_parallel(cfg, what_if=False)  # the AMSP plan is for each rank's DP group under these
     p = planner_config(cfg)
-    r = ranks_per_node(cfg, denv.local_world_size)
+    r = checked_ranks_per_node(denv.world_size, ranks_per_node(cfg, denv.local_world_size))
     topo = Topology(denv.world_size, r)
     points = probe_for_run(cfg, denv, device)
     profile = measured_compute(cfg, denv, device) if p.measure_compute else None

@@ -97,8 +97,30 @@ run_step() {
         fi
         note "step exited with status $rc after SIGUSR1; not requeueing"
     fi
+    rc=$(worker_exit_code "$rc")
     note "step finished with status $rc"
     exit "$rc"
+}
+
+# worker_exit_code RC: the step's status, or the code the ranks recorded in AMSP_EXIT_CODE_DIR when the
+# step failed (torchrun exits 1 whatever its workers' codes: amsp/errors.py record_exit_code). An input
+# error (2) anywhere wins over a fault (3): rerunning the same command cannot help.
+worker_exit_code() {
+    local rc=$1 codes
+    if ((rc == 0)) || [[ -z ${AMSP_EXIT_CODE_DIR:-} || ! -d $AMSP_EXIT_CODE_DIR ]]; then
+        echo "$rc"
+        return
+    fi
+    codes=$(cat "$AMSP_EXIT_CODE_DIR"/rank* 2>/dev/null | sort -un | tr '\n' ' ')
+    if [[ " $codes" == *" 2 "* ]]; then
+        note "ranks exited with code(s) ${codes% } (launcher status $rc): exiting 2 (input error)" >&2
+        echo 2
+    elif [[ " $codes" == *" 3 "* ]]; then
+        note "ranks exited with code(s) ${codes% } (launcher status $rc): exiting 3 (fault)" >&2
+        echo 3
+    else
+        echo "$rc"
+    fi
 }
 
 print_header() {

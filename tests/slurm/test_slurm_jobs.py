@@ -145,7 +145,9 @@ def test_override_typo_fails_the_job_at_startup_with_hydras_message(local_slurm,
                              sbatch_args=[*CPU_SBATCH, f"--job-name={job_name}"], env={"NPROC_PER_NODE": "1"}, cwd=tmp_path)
     info = local_slurm.wait_done(job, timeout=300)
     text = log_of(tmp_path, job_name, job).read_text()
-    assert info.state == "FAILED" and info.exit_code != "0:0", info.raw
+    # An input error (2), not torchrun's 1 for any failed worker: the ranks' code (scripts/slurm/common.sh)
+    assert info.state == "FAILED" and info.exit_code == "2:0", info.raw
+    assert "exiting 2 (input error)" in log_of(tmp_path, job_name, job).read_text()
     # Hydra's own message, naming the key, from config composition ...
     assert "Could not override 'trainer.max_stepz'" in text, text[-4000:]
     assert re.search(r"Key 'max_stepz' (is )?not in", text), text[-4000:]

@@ -20,6 +20,9 @@ def test_tp2_pp2_run_matches_single_process_and_resumes_without_model_parallelis
         assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got[step], want[step])
     proc = train(run, "trainer.max_steps=8", "trainer.checkpoint_interval=0", "amsp.plan=ddp")
     assert "resumed from checkpoint" in proc.stdout and "at step 4" in proc.stdout
+    # the layout it was written under: the plan's degrees were those of a data-parallel group of one rank
+    assert ("written by plan ddp (p/g/os = 1/1/1) on 4 ranks, tp 2 pp 2: the plan is each stage's data-parallel "
+            "group's)") in proc.stdout, proc.stdout[-3000:]
     resumed = losses(run)
     for step in range(5, 9):
         assert abs(resumed[step] - want[step]) <= 1e-5 * abs(want[step]), (step, resumed[step], want[step])
