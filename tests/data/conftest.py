@@ -5,6 +5,7 @@ import sysconfig
 
 import pytest
 
+from data.errors import DataError
 from data.preprocess import preprocess
 from data.tokenizer import train_bpe
 
@@ -27,6 +28,17 @@ def tokenizer_model(tmp_path_factory, texts) -> str:
     d = tmp_path_factory.mktemp("tok")
     (d / "train.txt").write_text("\n".join(texts[:-3]), encoding="utf-8")
     return train_bpe([str(d / "train.txt")], str(d / "tok"), vocab_size=400, threads=1)
+
+
+def raises_one_line(fn, *names):
+    """fn() raises a one-line DataError naming each of `names`; returns its message."""
+    with pytest.raises(DataError) as e:
+        fn()
+    msg = str(e.value)
+    assert "\n" not in msg
+    for n in names:
+        assert n in msg, msg
+    return msg
 
 
 def write_jsonl(path: pathlib.Path, texts, field: str = "text") -> pathlib.Path:

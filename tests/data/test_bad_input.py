@@ -5,22 +5,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from data.errors import DataError
 from data.indexed_dataset import IndexedDataset
 from data.pipeline import build_data
 from data.preprocess import preprocess
 from data.tokenizer import Tokenizer, check_fits_model, train_bpe
-from tests.data.conftest import write_jsonl
-
-
-def raises_one_line(fn, *names):
-    with pytest.raises(DataError) as e:
-        fn()
-    msg = str(e.value)
-    assert "\n" not in msg
-    for n in names:
-        assert n in msg, msg
-    return msg
+from tests.data.conftest import raises_one_line, write_jsonl
 
 
 def test_missing_input_file(tmp_path, tokenizer_model):

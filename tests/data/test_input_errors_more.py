@@ -15,23 +15,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from data.errors import DataError
 from data.indexed_dataset import IndexedDataset
 from data.pipeline import build_data
 from data.preprocess import main, preprocess
-from tests.data.conftest import write_jsonl
+from tests.data.conftest import raises_one_line, write_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def raises_one_line(fn, *names):
-    with pytest.raises(DataError) as e:
-        fn()
-    msg = str(e.value)
-    assert "\n" not in msg
-    for n in names:
-        assert n in msg, msg
-    return msg
 
 
 def _lines(n: int, bad_line: int, bad: bytes) -> bytes:
