@@ -63,6 +63,9 @@ def test_sigint_is_a_preemption_and_a_second_one_aborts(monkeypatch):
     from amsp.resilience import PreemptionHandler
 
     assert signal.SIGINT in PreemptionHandler.SIGNALS  # else the kill below stops pytest itself
+    # Python's own Ctrl-C handler before training, as in a fresh train.py (an earlier test in this process,
+    # the netns cluster's, may have left its own), restored for the tests after this one.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     handler = PreemptionHandler()
     try:
         os.kill(os.getpid(), signal.SIGINT)
@@ -76,7 +79,9 @@ def test_sigint_is_a_preemption_and_a_second_one_aborts(monkeypatch):
         handler.hand_over(signal.SIGINT)  # SIGINT's default handler would raise KeyboardInterrupt here
     finally:
         handler.restore()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        restored = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, before)
+    assert restored is signal.default_int_handler
 
 
 def _step_files(run):
