@@ -195,11 +195,12 @@ def run(cfg: DictConfig) -> None:
     # The sharding plan is chosen (amsp.plan=auto: the partitioner, amsp/planner; probe, ILP, table in
     # RUN_DIR/plan.txt) or checked before anything is built: a broken rule is named right away.
     planned, switched = None, None
+    plan_txt_waits = resuming(cfg, ckpt)  # plan.txt waits for a resume's checks (write_run_files)
     if joint is not None:
         plan = stage_plan(joint, mesh, denv.rank)
     elif cfg.amsp.plan == "auto" and cfg.amsp.p is None:
-        # plan.txt waits for a resume's checks (write_run_files): a refused resume leaves the run's own
-        planned = plan_for_run(cfg, denv, device, run_dir if denv.is_main and not resuming(cfg, ckpt) else None)
+        # a refused resume leaves the run's own plan.txt
+        planned = plan_for_run(cfg, denv, device, run_dir if denv.is_main and not plan_txt_waits else None)
         plan = planned.plan
         # A resumed run continues on the plan its recheck switched to (RUN_DIR/replan.json), not the prior's.
         switched = control.decided_by_rank0(
@@ -302,7 +303,7 @@ def run(cfg: DictConfig) -> None:
                         cfg.trainer.max_steps)
     if denv.is_main:
         write_run_files(run_dir, config_yaml, data.tokenizer.model_file, tokenizer_copy,
-                        planned.table if planned is not None and latest is not None else None)
+                        planned.table if planned is not None and plan_txt_waits else None)
         if latest is None:  # a fresh start: an earlier run's rows here are not this run's steps
             set_aside_logs(run_dir, ("metrics.jsonl", "validation.jsonl"))
 

@@ -33,6 +33,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from models.llama.dcp_safe import SafeFileSystemReader
 
 from .errors import FaultError, InputError
+from .pid import pid_alive
 
 MANIFEST_DIR = "checksums"
 VERIFIED = "verified"
@@ -333,7 +334,7 @@ class RunDirLock:
                 if holder == me:
                     self.held = True
                     return note
-                if host == socket.gethostname() and pid_s.isdigit() and not _alive(int(pid_s)):
+                if host == socket.gethostname() and pid_s.isdigit() and not pid_alive(int(pid_s)):
                     note = f"removing stale lock {self.path} of pid {pid_s} on {host} (that process is gone)"
                     self.path.unlink(missing_ok=True)
                     continue
@@ -374,13 +375,3 @@ def release_held_locks() -> None:
     cleanup (a lock left behind refuses the next launch into the run directory on any other host)."""
     for lock in list(_HELD):
         lock.release()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -15,7 +15,6 @@ from typing import Any, Callable
 from omegaconf import DictConfig, OmegaConf
 
 from amsp.parallel.micro_batches import SCHEDULES, virtual_stages_problem
-from configs.validate_model import model_problems
 
 # What trainer.allow_resume_changes may name (data/resume_check.py acts on them).
 RESUME_CHANGES = ("seq_len", "tokenizer", "data")
@@ -132,6 +131,14 @@ RULES: tuple[Rule, ...] = (
     Rule("debug.clock_skew_s", "a finite number", _number),
     int_at_least("debug.clock_skew_rank", 0, optional=True),
     Rule("debug.nan_loss_at_steps", "a list of integers >= 1", lambda v: all(_int(x) and x >= 1 for x in v)),
+    # The model's sizes: a zero divides in the model's own shape rules (model_shape_problems), a negative
+    # one fails inside torch; rope_theta or norm_eps <= 0 makes every step NaN.
+    *(int_at_least(f"model.{k}", 1) for k in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of",
+                                               "max_seq_len")),
+    int_at_least("model.n_kv_heads", 1, optional=True),
+    finite_at_least("model.rope_theta", 0, strict=True),
+    finite_at_least("model.norm_eps", 0, strict=True),
+    finite_at_least("model.ffn_dim_multiplier", 0, strict=True, optional=True),
 )
 
 
@@ -155,7 +162,8 @@ def validate_config(cfg: DictConfig) -> None:
         if not ok:
             problems.append(f"{rule.key}={_describe(value)} is not allowed: expected {rule.allowed}")
     problems += _cross_field_problems(cfg)
-    problems += model_problems(cfg)  # model.* ranges, then the model's own shape rules
+    if not any(p.startswith("model.") for p in problems):  # its divisibility rules would divide by a bad size
+        problems += model_shape_problems(cfg)
     if problems:
         raise ConfigError("; ".join(problems))
 
@@ -184,6 +192,21 @@ def _cross_field_problems(cfg: DictConfig) -> list[str]:
         if problem:
             out.append(problem)
     return out
+
+
+def model_shape_problems(cfg: DictConfig) -> list[str]:
+    """The model's own shape rules (LlamaConfig.__post_init__: divisibility, even head_dim, the allowed
+    backends), called rather than copied, so a shape that cannot build is one line here instead of a
+    traceback from the build."""
+    from configs.schema import to_llama_config
+
+    if OmegaConf.select(cfg, "model") is None:
+        return []
+    try:
+        to_llama_config(cfg.model)
+    except (TypeError, ValueError) as e:
+        return [" ".join(str(e).split())]
+    return []
 
 
 def _ffn_hidden_dim(cfg: DictConfig) -> int | None:

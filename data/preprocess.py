@@ -34,6 +34,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from amsp.errors import one_line_errors
+from amsp.pid import pid_alive
 from data.errors import DataError
 from data.indexed_dataset import IndexedDatasetWriter, token_dtype
 from data.progress import Progress
@@ -149,16 +150,6 @@ def dataset_prefix(path: str, key: str = "--output-prefix") -> str:
 _TEMP_SUFFIX = re.compile(r"\.(?:bin|idx|json)\.tmp-(\d+)")  # IndexedDatasetWriter's and preprocess()'s
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
-
-
 def remove_stale_temp_files(prefix: str, min_age_s: float = 60.0) -> list[str]:
     """Remove PREFIX.{bin,idx,json}.tmp-PID files that a killed run left (SIGKILL, a lost node): no
     process PID is alive here and nothing wrote them for min_age_s. The age guard spares a live run on
@@ -169,7 +160,7 @@ def remove_stale_temp_files(prefix: str, min_age_s: float = 60.0) -> list[str]:
     removed = []
     for entry in sorted(os.listdir(parent)):
         m = _TEMP_SUFFIX.fullmatch(entry[len(name):]) if entry.startswith(name) else None
-        if m is None or int(m.group(1)) == os.getpid() or _pid_alive(int(m.group(1))):
+        if m is None or int(m.group(1)) == os.getpid() or pid_alive(int(m.group(1))):
             continue
         path = os.path.join(parent, entry)
         try:
