@@ -50,6 +50,7 @@ class PreemptionHandler:
 
     def __init__(self) -> None:
         self.received: int = 0
+        self.receivers: list[int] = []  # the ranks that got a signal, once agreed_signal saw one
         self._first_int: float | None = None  # monotonic time of the first SIGINT
         self._previous = {}
         for sig in self.SIGNALS:
@@ -70,8 +71,24 @@ class PreemptionHandler:
             signal.signal(sig, handler)
 
     def agreed_signal(self) -> int:
-        """The signal any rank received (0 if none). Collective: all ranks call it every step."""
-        return control.all_reduce_max_int(self.received)
+        """The signal any rank received (0 if none). Collective: all ranks call it every step. When it
+        is not 0, `receivers` lists the ranks that got a signal (one more collective, on that step only:
+        a scancel of one node, or a signal sent by hand to one process, shows there)."""
+        signum = control.all_reduce_max_int(self.received)
+        if signum:
+            got = control.all_gather_floats([float(self.received)])
+            self.receivers = [rank for rank, (s,) in enumerate(got) if s]
+        return signum
+
+    def describe_receivers(self) -> str:
+        """'rank 3', 'ranks 0-3', or 'all 8 ranks' (after agreed_signal returned a signal)."""
+        ranks = self.receivers
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world == 1:
+            return "this process"
+        if len(ranks) == world:
+            return f"all {world} ranks"
+        return ("rank " if len(ranks) == 1 else "ranks ") + _spans(ranks)
 
     def hand_over(self, signum: int) -> None:
         """Call the handler that `signum` had before this one (after the checkpoint is written), if it
@@ -85,6 +102,18 @@ class PreemptionHandler:
         log.info("handing %s to the handler installed before training (%s): checkpoint written, requeue is "
                  "its call", signal.Signals(signum).name, getattr(previous, "__qualname__", previous))
         previous(signum, None)
+
+
+def _spans(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ", ".join(out)
 
 
 class TooManySkippedSteps(FaultError):

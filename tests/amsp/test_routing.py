@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -72,7 +73,11 @@ def _checker_cases(rank: int, world: int) -> dict:
     out["device_staged_object_on_control_group"] = _raises(
         lambda: dist.broadcast_object_list([rank], src=0, group=control.group(), device=torch.device("meta")))
     # Legitimate routes: nothing above was sent, so the group is still in step.
-    out["signal"] = PreemptionHandler().agreed_signal()
+    handler = PreemptionHandler()
+    handler.restore()  # only its flag is used here; the test process keeps its own signal handlers
+    out["signal"] = handler.agreed_signal()
+    handler.received = signal.SIGTERM if rank == world - 1 else 0  # as a signal sent to one process would
+    out["one_receiver"] = (handler.agreed_signal(), handler.describe_receivers())
     out["max_int"] = control.all_reduce_max_int(rank)
     out["sum_floats"] = control.all_reduce_sum_floats([1.0, float(rank)])
     out["max_floats"] = control.all_reduce_max_floats([float(rank)])
@@ -106,6 +111,7 @@ def test_checker_fails_control_values_off_the_control_plane_and_passes_both_plan
         assert "CPU tensors only" in out["device_tensor_on_control_group"], out["device_tensor_on_control_group"]
         assert "staged on meta" in out["device_staged_object_on_control_group"]
         assert out["signal"] == 0 and out["max_int"] == 1
+        assert out["one_receiver"] == (signal.SIGTERM, "rank 1"), out["one_receiver"]
         assert out["sum_floats"] == [2.0, 1.0] and out["max_floats"] == [1.0]
         assert out["gather_floats"] == [[0.0, 0.0], [1.0, 2.0]] and out["per_rank"] == [[0.0], [1.0]]
         assert out["objects"] == [{"rank": 0}, {"rank": 1}] and out["broadcast"] == "from 1"
