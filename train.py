@@ -180,9 +180,11 @@ def run(cfg: DictConfig) -> None:
     cfg = resolve_auto_compile(cfg, denv, device)
     # parallel.auto: the joint planner picks tp, pp, the layer split, the micro-batch size, per-stage
     # recomputation and each stage's AMSP degrees; the run proceeds as if they had been given by hand.
-    joint = None
-    if cfg.parallel.auto:
-        cfg, joint = joint_plan_for_run(cfg, denv, device, run_dir if denv.is_main else None)
+    joint, planned_table = None, None
+    plan_txt_waits = resuming(cfg, ckpt)  # plan.txt waits for a resume's checks (write_run_files)
+    if cfg.parallel.auto:  # a refused resume leaves the run's own plan.txt, as for amsp.plan=auto below
+        cfg, joint, planned_table = joint_plan_for_run(cfg, denv, device,
+                                                       run_dir if denv.is_main and not plan_txt_waits else None)
     # Model parallelism (parallel.tp / parallel.pp): the mesh owns every group; the batch splits over the
     # DP groups only (a TP group and a pipeline read the same samples). None: data parallelism alone.
     mesh = mesh_from_config(cfg, denv)
@@ -195,13 +197,12 @@ def run(cfg: DictConfig) -> None:
     # The sharding plan is chosen (amsp.plan=auto: the partitioner, amsp/planner; probe, ILP, table in
     # RUN_DIR/plan.txt) or checked before anything is built: a broken rule is named right away.
     planned, switched = None, None
-    plan_txt_waits = resuming(cfg, ckpt)  # plan.txt waits for a resume's checks (write_run_files)
     if joint is not None:
         plan = stage_plan(joint, mesh, denv.rank)
     elif cfg.amsp.plan == "auto" and cfg.amsp.p is None:
         # a refused resume leaves the run's own plan.txt
         planned = plan_for_run(cfg, denv, device, run_dir if denv.is_main and not plan_txt_waits else None)
-        plan = planned.plan
+        plan, planned_table = planned.plan, planned.table
         # A resumed run continues on the plan its recheck switched to (RUN_DIR/replan.json), not the prior's.
         switched = control.decided_by_rank0(
             lambda: plan_after_switch(run_dir, topology_from(cfg.amsp, denv), denv.world_size), denv.rank) \
@@ -303,7 +304,7 @@ def run(cfg: DictConfig) -> None:
                         cfg.trainer.max_steps)
     if denv.is_main:
         write_run_files(run_dir, config_yaml, data.tokenizer.model_file, tokenizer_copy,
-                        planned.table if planned is not None and plan_txt_waits else None)
+                        planned_table if plan_txt_waits else None)
         if latest is None:  # a fresh start: an earlier run's rows here are not this run's steps
             set_aside_logs(run_dir, ("metrics.jsonl", "validation.jsonl"))
 
@@ -404,7 +405,8 @@ def run(cfg: DictConfig) -> None:
                     f"stopping. The last good state is saved in {ckpt.root}; lower optim.lr or check the data.")
             signum = preemption.agreed_signal()
             if signum:
-                log.info("received %s: saving checkpoint at step %d and exiting%s", signal.Signals(signum).name, step,
+                log.info("%s received %s: saving checkpoint at step %d and exiting%s", preemption.describe_receivers(),
+                         signal.Signals(signum).name, step,
                          " (Ctrl-C again: exit at once, without it)" if signum == signal.SIGINT else "")
                 save(step)
                 break

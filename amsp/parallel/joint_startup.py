@@ -26,7 +26,9 @@ log = logging.getLogger(__name__)
 
 
 def joint_plan_for_run(cfg: DictConfig, denv, device, run_dir: pathlib.Path | None):
-    """(cfg with parallel.* and trainer.micro_batch_size set from the choice, the JointPlan). Collective."""
+    """(cfg with parallel.* and trainer.micro_batch_size set from the choice, the JointPlan, the planner's
+    table). The table goes to run_dir/plan.txt when run_dir is given (None: the caller writes it once a
+    resume's checks passed). Collective."""
     from configs.schema import to_llama_config
 
     from ..planner.from_config import planner_config, refuse_state_budget_for_joint
@@ -53,18 +55,19 @@ def joint_plan_for_run(cfg: DictConfig, denv, device, run_dir: pathlib.Path | No
         at = OmegaConf.merge(cfg, {"trainer": {"micro_batch_size": m}})
         profiles.update({(g, m): v for g, v in measured_profiles(at, denv, device, groups).items()})  # collective
         tp_times.update({(g, tp, m): v for (g, tp), v in measured_tp_units(at, model, denv, device, groups).items()})
-    plan = control.decided_by_rank0(
+    plan, table = control.decided_by_rank0(
         lambda: _plan(cfg, denv, device, run_dir, mixed, r, points, profiles, tp_times), denv.rank)
     cfg = OmegaConf.merge(cfg, {
         "parallel": {"tp": plan.tp, "pp": plan.pp, "layer_split": plan.layer_split if plan.pp > 1 else None,
                      "schedule": "1f1b", "virtual_stages": 1, "recompute_stages": plan.recompute},
         "trainer": {"micro_batch_size": plan.micro_batch_size},
     })
-    return cfg, plan
+    return cfg, plan, table
 
 
 def _plan(cfg, denv, device, run_dir, mixed, r, points, profiles: dict, tp_times: dict):
-    """Rank 0: the joint plan on the run's cluster priced with what was measured (logged, saved)."""
+    """Rank 0: the joint plan on the run's cluster priced with what was measured, and its table (logged;
+    saved when run_dir is given)."""
     import dataclasses
 
     from configs.schema import to_llama_config
@@ -107,7 +110,7 @@ def _plan(cfg, denv, device, run_dir, mixed, r, points, profiles: dict, tp_times
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "plan.txt").write_text(text + "\n")
-    return plans[0]
+    return plans[0], text
 
 
 def measured_profiles(cfg: DictConfig, denv, device, groups: list[str] | None) -> dict:

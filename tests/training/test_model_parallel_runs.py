@@ -2,6 +2,7 @@
 a single process, and its checkpoint resumes in a single process, continuing the same losses."""
 import pytest
 
+from amsp.errors import EXIT_INPUT
 from tests.training.runs import losses, train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # two torchrun launches and two single runs: ~1 min
@@ -44,3 +45,8 @@ def test_parallel_auto_prices_measured_tp_units_and_trains_its_choice(tmp_path):
     tp, pp = int(first[1]), int(first[2])
     assert ("model parallelism: mesh" in out) == ((tp, pp) != (1, 1))
     assert len(losses(run)) == 3
+    # A resume that is refused (another sequence length) leaves the run's plan.txt as it was.
+    proc = train(run, "trainer.max_steps=4", "parallel.auto=true", "data.seq_len=64",
+                 f"amsp.planner.cache_dir={tmp_path / 'cache'}", check=False)
+    assert proc.returncode == EXIT_INPUT and "seq_len" in proc.stderr, proc.stderr[-3000:]
+    assert (run / "plan.txt").read_text() == plan
