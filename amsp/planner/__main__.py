@@ -119,11 +119,11 @@ def inputs_json(cfg, w, cluster, options, model: CostModel) -> dict:
             "overlap_slowdown": dict(zip(("value", "source"), overlap_slowdown_of(options, cluster)))}
 
 
-def announce_rounded_batch(g, dp_world: int) -> None:
+def announce_rounded_batch(g, dp_world: int, where: str = "") -> None:
     """Say once (stderr, whatever the output format) that the step was priced for a rounded batch: the
     workload takes the batch train.py would (from_config.micro_batches), which logs nothing itself."""
     if g.rounded:
-        print(f"note: global batch {g.requested} samples does not split into micro-batches of {g.micro_batch} on "
+        print(f"note: {where}global batch {g.requested} samples does not split into micro-batches of {g.micro_batch} on "
               f"{dp_world} data-parallel ranks: priced as {g.global_batch} ({g.accumulation} micro-batch(es) per "
               f"rank per step), as train.py rounds it (trainer.round_global_batch)", file=sys.stderr)
 
@@ -179,6 +179,10 @@ def _run(mode: str, args) -> int:
         r = cluster.ranks_per_node
         rows = simulate(lambda n: workload_from_config(cfg, cluster.with_shape(max(1, n // r), min(r, n))),
                         cluster, options, gpu_counts(args.gpus))
+        ranks_per_replica = p.tp * p.pp
+        for n in sorted({row["gpus"] for row in rows if "global_batch" in row}):
+            dp = n // ranks_per_replica
+            announce_rounded_batch(batch_geometry(cfg, dp, announce=False), dp, where=f"at {n} GPUs, ")
         if args.json:
             print(json.dumps({"simulation": rows, "cluster": cluster_json(cluster)}))
             return 0

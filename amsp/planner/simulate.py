@@ -16,7 +16,7 @@ DEFAULT_GPUS = (8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 def simulate(workload_at, cluster: ClusterSpec, options: Options, gpus=DEFAULT_GPUS) -> list[dict]:
-    """Rows {gpus, plan, degrees, step_s, tokens_per_s_per_gpu, mfu, memory_gib, fits, note}.
+    """Rows {gpus, global_batch, plan, degrees, step_s, tokens_per_s_per_gpu, mfu, memory_gib, fits, note}.
 
     workload_at(world) -> Workload gives the workload at a world size (micro-batches follow the
     fixed global batch), or raises ValueError when the batch does not divide."""
@@ -34,6 +34,7 @@ def simulate(workload_at, cluster: ClusterSpec, options: Options, gpus=DEFAULT_G
             rows.append({**base, "plan": "-", "note": str(e)})
             continue
         model = CostModel(w, spec, options)
+        base["global_batch"] = w.micro_batch_size * w.micro_batches * model.dp_world  # as rounded for this count
         presets = []
         for name in PRESET_NAMES:
             try:

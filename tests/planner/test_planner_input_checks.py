@@ -141,6 +141,19 @@ def test_rounded_batch_is_said_and_in_the_json(capsys):
     assert json.loads(captured.out)["inputs"]["workload"]["requested_global_batch"] == 1026
 
 
+def test_simulate_says_which_gpu_counts_round_the_batch(capsys):
+    """simulate prices each GPU count at the batch train.py would take there: 1024 samples split on 8 and
+    16 ranks, not on 24 (priced as 1032); said for 24 only, and every JSON row carries its batch."""
+    args = ["simulate", "--json", "--gpus", "8,16,24", "model=llama2_7b", "cluster=h100x8", "data.seq_len=4096",
+            "trainer.micro_batch_size=1", "trainer.global_batch_size=1024"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    notes = [line for line in captured.err.splitlines() if "global batch 1024 samples" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: at 24 GPUs,") and "priced as 1032" in notes[0], notes
+    batches = {(row["gpus"], row["global_batch"]) for row in json.loads(captured.out)["simulation"]}
+    assert batches == {(8, 1024), (16, 1024), (24, 1032)}, batches
+
+
 @pytest.mark.parametrize("joint", [False, True])
 def test_json_without_a_fitting_plan_is_still_json(capsys, joint):
     args = ["--json", "model=llama2_70b", "cluster=v100x8", "data.seq_len=4096", "trainer.global_batch_size=16"]
