@@ -123,9 +123,10 @@ def announce_rounded_batch(g, dp_world: int, where: str = "") -> None:
     """Say once (stderr, whatever the output format) that the step was priced for a rounded batch: the
     workload takes the batch train.py would (from_config.micro_batches), which logs nothing itself."""
     if g.rounded:
-        print(f"note: {where}global batch {g.requested} samples does not split into micro-batches of {g.micro_batch} on "
-              f"{dp_world} data-parallel ranks: priced as {g.global_batch} ({g.accumulation} micro-batch(es) per "
-              f"rank per step), as train.py rounds it (trainer.round_global_batch)", file=sys.stderr)
+        print(f"note: {where}global batch {g.requested} samples does not split into micro-batches of "
+              f"{g.micro_batch} on {dp_world} data-parallel ranks: priced as {g.global_batch} ({g.accumulation} "
+              f"micro-batch(es) per rank per step), as train.py rounds it (trainer.round_global_batch)",
+              file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
