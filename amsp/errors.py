@@ -20,6 +20,7 @@ from contextlib import contextmanager
 
 log = logging.getLogger(__name__)
 
+EXIT_BUG = 1
 EXIT_INPUT = 2
 EXIT_FAULT = 3
 
@@ -84,6 +85,8 @@ def one_line_errors(level: str | None = None):
     except BaseException as exc:  # noqa: B902 - DCP raises BaseException subclasses
         known = classify(exc)
         if known is None or tracebacks_requested(level):
+            if isinstance(exc, Exception):  # not SystemExit / KeyboardInterrupt: their codes are their own
+                record_exit_code(EXIT_BUG)  # the traceback goes to torchrun's error file (train.py's @record)
             raise
         code, kind = known
         rank = os.environ.get("RANK")
@@ -114,6 +117,20 @@ def record_exit_code(code: int) -> None:
             f.write(f"{int(code)}\n")
     except OSError as e:
         log.debug("cannot record exit code %s in %s: %s", code, where, e)
+
+
+def record_bug(error: BaseException) -> None:
+    """For a rank that dies of an unexpected error through os._exit (amsp.resilience: a normal exit can block
+    on a peer), what a normal exit does: exit code 1 in AMSP_EXIT_CODE_DIR, and the traceback in torchrun's
+    error file (@record's job), which torchrun's failure summary shows as the root cause. Call it inside the
+    `except` block that caught `error` (the traceback is the one being handled). Best effort."""
+    record_exit_code(EXIT_BUG)
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+        get_error_handler().record_exception(error)  # writes only under torchrun (TORCHELASTIC_ERROR_FILE)
+    except Exception as e:  # noqa: BLE001 - the error line is already written
+        log.debug("cannot record the error for torchrun: %s", e)
 
 
 def _release_process_groups(wait_s: float = 10.0) -> None:

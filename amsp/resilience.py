@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from . import control
 from .checkpoint_verify import release_held_locks
-from .errors import EXIT_FAULT, FaultError
+from .errors import EXIT_FAULT, FaultError, record_bug, record_exit_code
 
 log = logging.getLogger(__name__)
 
@@ -356,6 +356,7 @@ class Heartbeat:
         # so another rank's line could land in between (two faults on one line).
         sys.stderr.write(f"{prefix}fault: {line}\n")
         sys.stderr.flush()
+        record_exit_code(code)  # torchrun reports 1 whatever this is: the job script reads it here
         release_held_locks()  # os._exit runs no cleanup: a lock left behind refuses the requeue on another node
         os._exit(code)
 
@@ -371,14 +372,17 @@ class Heartbeat:
             time.sleep(0.2)
 
     def fail(self, step: int, error: BaseException) -> None:
-        """The main thread's collective failed: name the rank(s) that stopped answering and exit 3."""
+        """The main thread's step raised: a collective failed (name the rank(s) that stopped answering and exit
+        3), or, with every peer alive and no communication error, a bug (its traceback, exit 1)."""
         if self.store is None:
+            record_bug(error)
             die_now(f"rank {self.rank}: training failed in step {step}: {type(error).__name__}: {error}")
         log.debug("collective failure in step %d", step, exc_info=error)
         stale = self.stopped_ranks()
         if stale == [] and not _is_comm_error(error):  # everyone alive and not a communication error: a bug
             self.stop("left")
             log.error("rank %d: training failed in step %d", self.rank, step, exc_info=error)
+            record_bug(error)  # os._exit skips @record: torchrun's summary would say error_file <N/A>
             die_now(f"rank {self.rank}: training failed in step {step}: {type(error).__name__}: {error}")
         self._exit(self._line(step, stale, error))
 

@@ -104,7 +104,8 @@ run_step() {
 
 # worker_exit_code RC: the step's status, or the code the ranks recorded in AMSP_EXIT_CODE_DIR when the
 # step failed (torchrun exits 1 whatever its workers' codes: amsp/errors.py record_exit_code). An input
-# error (2) anywhere wins over a fault (3): rerunning the same command cannot help.
+# error (2) anywhere wins, then a bug (1: its traceback is in torchrun's summary), then a fault (3): the
+# ranks that lost a peer to an input error or a bug exit 3, and rerunning the same command cannot help.
 worker_exit_code() {
     local rc=$1 codes
     if ((rc == 0)) || [[ -z ${AMSP_EXIT_CODE_DIR:-} || ! -d $AMSP_EXIT_CODE_DIR ]]; then
@@ -115,6 +116,10 @@ worker_exit_code() {
     if [[ " $codes" == *" 2 "* ]]; then
         note "ranks exited with code(s) ${codes% } (launcher status $rc): exiting 2 (input error)" >&2
         echo 2
+    elif [[ " $codes" == *" 1 "* ]]; then
+        note "ranks exited with code(s) ${codes% } (launcher status $rc): exiting 1 (an unexpected error: see the" \
+            "traceback in torchrun's failure summary)" >&2
+        echo 1
     elif [[ " $codes" == *" 3 "* ]]; then
         note "ranks exited with code(s) ${codes% } (launcher status $rc): exiting 3 (fault)" >&2
         echo 3
