@@ -183,6 +183,13 @@ def main() -> None:
                 row.update(measured_gib=None, error=f"out of memory: {str(e).splitlines()[0]}")
             rows.append(row)
             print(json.dumps(row), flush=True)
+            write_table(rows, args, world)
+    print(write_table(rows, args, world))
+
+
+def write_table(rows: list[dict], args, world: int) -> str:
+    """The markdown table of the rows so far, written to --out (with the raw rows) after every row: a part cut
+    by its time limit keeps what it measured."""
     lines = [f"{args.preset} x {args.layers} layers, seq {args.seq}, {args.micro} micro-batches of 1, rank 0 of a "
              f"pretend world of {world}, bf16, spread window {args.window}, {torch.cuda.get_device_name()}",
              "", "| plan | checkpointing | compiled | allocator | predicted GiB (no reserve) | measured peak GiB | "
@@ -198,11 +205,10 @@ def main() -> None:
                          f"{r['reserved_gib']:.2f} ({100 * (r['reserved_gib'] / r['measured_gib'] - 1):+.1f}%) | "
                          f"{r['skipped_steps']} |")
     table = "\n".join(lines)
-    print(table)
     if args.out:
         Path(args.out).with_suffix(".md").write_text(table + "\n")
         Path(args.out).with_suffix(".json").write_text(json.dumps(rows, indent=1))
-
+    return table
 
 if __name__ == "__main__":
     main()
