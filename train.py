@@ -272,12 +272,12 @@ def run(cfg: DictConfig) -> None:
         check_vocab_before_load(path, model_cfg.vocab_size)  # another embedding size cannot load at all
         return load_training_state(ckpt, path, engine)
 
-    if not cfg.trainer.resume:  # a fresh start: another run's checkpoints here are kept, out of its way
-        ckpt.set_aside_all("trainer.resume=false")
     loaded = ckpt.load_latest(load_checkpoint) if cfg.trainer.resume else None
     latest, meta = loaded if loaded is not None else (None, None)
     # trainer.init_from: pretrained weights in place of the random init, unless this run resumes (amsp/init_from.py).
     init_weights_from(engine, cfg.trainer.init_from, model_cfg, resumed_from=latest, rank=denv.rank)
+    if not cfg.trainer.resume:  # a fresh start: another run's checkpoints here are kept, out of its way
+        ckpt.set_aside_all("trainer.resume=false")  # after init_from, which may refuse (or read them)
     if latest is not None:
         start_step, skipped_total, wandb_id = meta["step"], meta.get("skipped_steps", 0), meta.get("wandb_run_id")
         train_loader.load_state_dict({"consumed_samples": meta["consumed_samples"]})

@@ -99,6 +99,12 @@ def test_refused_resumes_leave_the_run_directory_and_fresh_starts_keep_old_logs(
         assert "resumed from checkpoint" not in proc.stdout
         assert {n: (run / n).read_bytes() for n in kept} == kept, change
         assert _step_files(run) == ["step_00000002"]
+    # A fresh start refused for its trainer.init_from (here: this run's own weights, into another model) leaves
+    # the checkpoints where a resume finds them (they were moved aside first, then the refusal said that the
+    # run directory held no checkpoint).
+    proc = train(run, "trainer.resume=false", f"trainer.init_from={run}", "model.n_layers=3", check=False)
+    assert proc.returncode == EXIT_INPUT and "neither a Hugging Face" not in proc.stderr, proc.stderr[-3000:]
+    assert _step_files(run) == ["step_00000002"] and not list((run / "checkpoints").glob("superseded-*"))
     # A checkpoint past max_steps: nothing to train, said; data.valid_samples=0: validation is off, said.
     proc = train(run, "trainer.max_steps=1", "data.valid_samples=0", "trainer.val_samples=16")
     assert "checkpoint step 2 >= trainer.max_steps=1: nothing to train" in proc.stdout, proc.stdout[-3000:]
