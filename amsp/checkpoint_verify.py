@@ -20,6 +20,7 @@ import io
 import json
 import os
 import socket
+import time
 from torch.futures import Future
 from pathlib import Path
 
@@ -302,6 +303,9 @@ class RunDirLock:
     killed run (time limit, OOM, node failure, a fault exit through os._exit) never removed its lock,
     so the requeue was refused with exit 2 and the job stopped for good."""
 
+    TRIES = 50  # takeovers and waits for a lock being written (0.1 s each) before giving up
+    UNWRITTEN_S = 2.0  # an empty lock older than this was never going to be written
+
     def __init__(self, root: Path):
         self.path = root / ".lock"
         self.held = False
@@ -322,18 +326,27 @@ class RunDirLock:
         """None when taken; otherwise a warning about a stale lock taken over (returned as text)."""
         me = self._me()
         note = None
-        for _ in range(2):
+        for _ in range(self.TRIES):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 try:
                     holder = self.path.read_text().strip()
+                    age = time.time() - self.path.stat().st_mtime
                 except FileNotFoundError:
                     continue
                 pid_s, host, job = (holder.split(" ") + ["", ""])[:3]
                 if holder == me:
                     self.held = True
                     return note
+                if not (pid_s.isdigit() and host):  # empty or garbled: being written, or its writer died
+                    if age < self.UNWRITTEN_S:  # another run's create-then-write, a moment apart
+                        time.sleep(0.1)
+                        continue
+                    note = (f"removing unreadable lock {self.path} ({holder[:60]!r}, {age:.0f} s old): its writer "
+                            f"died between creating and writing it")
+                    self.path.unlink(missing_ok=True)
+                    continue
                 if host == socket.gethostname() and pid_s.isdigit() and not pid_alive(int(pid_s)):
                     note = f"removing stale lock {self.path} of pid {pid_s} on {host} (that process is gone)"
                     self.path.unlink(missing_ok=True)

@@ -276,6 +276,28 @@ def test_second_live_run_is_refused_and_a_stale_lock_taken_over(tmp_path, caplog
     assert not (tmp_path / "checkpoints" / ".lock").exists()
 
 
+def test_an_empty_lock_is_waited_for_then_taken_over(tmp_path, caplog):
+    """A run killed between creating its lock and writing it leaves an empty file, which refused every later
+    start ('in use by pid  on host ?'). A fresh empty lock is another run's, a moment from being written:
+    waited for. An old one is taken over, said."""
+    lock = tmp_path / "checkpoints" / ".lock"
+    lock.parent.mkdir()
+    lock.write_text("")
+    os.utime(lock, (lock.stat().st_mtime - 60,) * 2)
+    with caplog.at_level(logging.WARNING, logger="amsp.checkpoint"):
+        mgr = CheckpointManager(tmp_path, lock=True)
+    assert any("removing unreadable lock" in r.getMessage() and "60 s old" in r.getMessage() for r in caplog.records)
+    mgr.close()
+    lock.write_text("")  # fresh: its writer is about to fill it in
+    writer = subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(0.5); "
+                               f"open({str(lock)!r}, 'w').write('31337 node07\\n')"])
+    try:
+        with pytest.raises(RunDirInUse, match="is in use by pid 31337 on host node07"):
+            CheckpointManager(tmp_path, lock=True)
+    finally:
+        writer.wait()
+
+
 def test_a_requeued_slurm_job_takes_over_its_own_lock_from_another_node(tmp_path, monkeypatch, caplog):
     """A run killed without cleanup (time limit, OOM, node failure, a fault exit) leaves its lock; Slurm
     requeues the job on another node, where the old pid cannot be checked. The same job id with another
