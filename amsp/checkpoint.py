@@ -35,6 +35,7 @@ import logging
 import os
 import shutil
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,16 +43,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from models.llama.dcp_safe import SafeFileSystemReader
 
 from . import control
-from .checkpoint_verify import (VERIFIED, ChecksumMixin, CheckpointDamaged, CheckpointMismatch, InputError, NonFiniteCheckpoint,
-                                RunDirLock, VerifyingReader, VerifyingWriter, all_finite, byte_view, read_manifests,
-                                fsync_path, save_failure, unwrap)
+from .checkpoint_verify import (MANIFEST_DIR, VERIFIED, ChecksumMixin, CheckpointDamaged, CheckpointMismatch,
+                                InputError, NonFiniteCheckpoint, RunDirLock, VerifyingReader, VerifyingWriter,
+                                all_finite, byte_view, read_manifests, fsync_path, save_failure, unwrap)
 from .errors import FaultError, RunError
 
 log = logging.getLogger(__name__)
@@ -413,18 +414,7 @@ class CheckpointManager:
                                f"trainer.resume=false")
         error, meta, reader = None, None, None
         try:
-            meta = _read_meta(path)
-            checksums = read_manifests(path) if meta.get("checksums") else None
-            if checksums is not None and not checksums:
-                raise CheckpointDamaged(f"{path}/checksums: missing (meta.json says the save was checksummed)")
-            reader = VerifyingReader(path, checksums)
-            try:
-                metadata = reader.read_metadata()
-            except FileNotFoundError:
-                raise CheckpointDamaged(f"{path}/.metadata: file missing") from None
-            except Exception as e:
-                raise CheckpointDamaged(f"{path}/.metadata: unreadable ({type(e).__name__}: "
-                                        f"{str(e).splitlines()[0] if str(e) else ''})") from None
+            meta, reader, metadata = open_verified(path)
             if callable(fragments):
                 fragments = fragments({k: tuple(getattr(v, "size", ()))
                                        for k, v in metadata.state_dict_metadata.items()})
@@ -435,17 +425,9 @@ class CheckpointManager:
         if control.all_reduce_max_int(1 if error is not None else 0):
             raise error if error is not None else CheckpointDamaged(f"{path}: another rank could not read it")
         _check_nothing_left_out(path, metadata, fragments)
-        try:
+        with damage_as_fault(path):
             dcp.load(tensors, storage_reader=reader, planner=_FragmentLoadPlanner(fragments),
                      process_group=control.group())
-        except BaseException as e:  # noqa: B902 - DCP wraps every rank's failure in a BaseException
-            damaged = unwrap(e, CheckpointDamaged)
-            if damaged is not None:
-                raise CheckpointDamaged(str(damaged)) from None
-            os_err = unwrap(e, OSError)
-            if isinstance(os_err, OSError):
-                raise CheckpointDamaged(f"{os_err.filename or path}: {os_err.strerror or os_err}") from None
-            raise
         return meta
 
     def _point_latest_at(self, name: str) -> None:
@@ -512,6 +494,45 @@ class CheckpointManager:
         control.barrier()
 
 
+def open_verified(path: Path, require_meta: bool = True) -> tuple[dict, VerifyingReader, Metadata]:
+    """(meta.json, a reader that checks every chunk it reads, DCP's metadata) of the checkpoint at `path`;
+    CheckpointDamaged naming the file that is missing or unreadable. require_meta=False also opens a
+    checkpoint written outside the trainer (import_hf's: no meta.json, no `verified` mark), checked
+    against checksums/ when it has one (trainer.init_from and export_hf read either kind)."""
+    if require_meta or (path / "meta.json").exists() or (path / VERIFIED).exists():
+        meta = _read_meta(path)
+    else:
+        meta = {"checksums": (path / MANIFEST_DIR).exists()}
+    checksums = read_manifests(path) if meta.get("checksums") else None
+    if checksums is not None and not checksums:
+        raise CheckpointDamaged(f"{path}/{MANIFEST_DIR}: missing (meta.json says the save was checksummed)")
+    reader = VerifyingReader(path, checksums)
+    try:
+        metadata = reader.read_metadata()
+    except FileNotFoundError:
+        raise CheckpointDamaged(f"{path}/.metadata: file missing") from None
+    except Exception as e:
+        raise CheckpointDamaged(f"{path}/.metadata: unreadable ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    return meta, reader, metadata
+
+
+@contextmanager
+def damage_as_fault(path: Path):
+    """Around a dcp.load from `path`: a damaged chunk (on any rank) or a file that cannot be read is
+    a CheckpointDamaged naming it, not DCP's wrapped traceback; anything else propagates."""
+    try:
+        yield
+    except BaseException as e:  # noqa: B902 - DCP wraps every rank's failure in a BaseException
+        damaged = unwrap(e, CheckpointDamaged)
+        if damaged is not None:
+            raise CheckpointDamaged(str(damaged)) from None
+        os_err = unwrap(e, OSError)
+        if isinstance(os_err, OSError):
+            raise CheckpointDamaged(f"{os_err.filename or path}: {os_err.strerror or os_err}") from None
+        raise
+
+
 def _read_meta(path: Path) -> dict:
     meta_path = path / "meta.json"
     if not path.is_dir():
@@ -524,9 +545,16 @@ def _read_meta(path: Path) -> dict:
         raise CheckpointDamaged(f"{meta_path}: file missing") from None
     except (OSError, ValueError) as e:
         raise CheckpointDamaged(f"{meta_path}: unreadable ({type(e).__name__}: {e})") from None
-    if meta.get("format_version") not in READABLE_FORMATS:
-        raise CheckpointDamaged(f"{meta_path}: checkpoint format {meta.get('format_version')} is not one of the "
-                                f"supported formats {READABLE_FORMATS}")
+    version = meta.get("format_version")
+    if isinstance(version, int) and not isinstance(version, bool) and version not in READABLE_FORMATS:
+        # Written by another version of this code, not damaged: no fallback to an older checkpoint (which
+        # would throw away the newer one's steps and set it aside as damaged).
+        which = "a newer" if version > max(READABLE_FORMATS) else "an older"
+        raise CheckpointMismatch(f"{meta_path}: checkpoint format {version} is not one this code reads "
+                                 f"{READABLE_FORMATS}; it was written by {which} version of this code: run that one")
+    if version not in READABLE_FORMATS:
+        raise CheckpointDamaged(f"{meta_path}: checkpoint format {version!r} is not one of the supported formats "
+                                f"{READABLE_FORMATS}")
     return meta
 
 

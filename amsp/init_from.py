@@ -10,6 +10,8 @@ decides before calling here), so a preempted and requeued run continues rather t
 Every rank reads the files itself, one parameter at a time, and only the parameters overlapping
 its shards (the engine's FlatUnit.fill_shards says which slices): no rank holds more than one unit's
 full parameters beyond its own shards, and the values do not depend on the plan or the world size.
+A checkpoint's chunks are checked against its checksums as resume checks them; a damaged one is a
+fault naming the file (exit 3), never replaced by an older checkpoint here (see _damage_named).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import json
 import logging
 import pathlib
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,6 +27,7 @@ import torch
 
 from models.llama.config import LlamaConfig
 
+from .checkpoint_verify import CheckpointDamaged
 from .errors import InputError
 
 log = logging.getLogger(__name__)
@@ -107,21 +111,45 @@ def _hf_source(path: pathlib.Path) -> WeightSource:
     return WeightSource("HF folder", path, cfg, names, read)
 
 
-def _checkpoint_source(path: pathlib.Path) -> WeightSource:
+def read_verified(path: pathlib.Path, checksums: dict[str, int] | None, buffers: dict[str, torch.Tensor]) -> None:
+    """Fill `buffers` (full entries) from the checkpoint at `path` in this one process, every chunk read
+    checked against `checksums` (open_verified's); a damaged file is CheckpointDamaged naming it."""
     import torch.distributed.checkpoint as dcp
 
+    from .checkpoint import damage_as_fault
+    from .checkpoint_verify import VerifyingReader
+
+    with warnings.catch_warnings(), damage_as_fault(path):  # no process group on purpose: see the callers
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(buffers, storage_reader=VerifyingReader(str(path), checksums), no_dist=True)
+
+
+@contextmanager
+def _damage_named(path: pathlib.Path):
+    # Damage is a fault (exit 3), as on resume; there is no fallback here: ranks read different
+    # parts, so one could meet the damage and another not, and they would start from different weights.
+    try:
+        yield
+    except CheckpointDamaged as e:
+        raise CheckpointDamaged(f"trainer.init_from={str(path)!r}: {e}; give an intact checkpoint (an older "
+                                f"RUN/checkpoints/step_N)") from None
+
+
+def _checkpoint_source(path: pathlib.Path) -> WeightSource:
     from models.llama.export_hf import read_saved_config
 
-    from .checkpoint_verify import VerifyingReader, read_manifests
+    from .checkpoint import open_verified
 
     try:
         cfg, _ = read_saved_config(path)
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise InputError(f"trainer.init_from={str(path)!r}: {e}") from None
     shapes = _parameter_shapes(cfg)
-    # Checksummed checkpoints (the trainer's) are verified chunk by chunk as they are read.
-    checksums = read_manifests(path) or None
-    stored = VerifyingReader(str(path), checksums).read_metadata().state_dict_metadata
+    # Verified as resume verifies (every chunk read against the manifests; a trainer checkpoint whose
+    # meta.json says it was checksummed has them), import_hf's output against its own when it has any.
+    with _damage_named(path):
+        _, reader, metadata = open_verified(path, require_meta=False)
+    stored = metadata.state_dict_metadata
     sizes = {}
     for name, shape in shapes.items():
         size = tuple(getattr(stored.get(MODEL_PREFIX + name), "size", ()))
@@ -132,9 +160,8 @@ def _checkpoint_source(path: pathlib.Path) -> WeightSource:
 
     def read(name: str) -> torch.Tensor:
         buf = {MODEL_PREFIX + name: torch.empty(sizes[name], dtype=torch.float32)}
-        with warnings.catch_warnings():  # no process group on purpose: every rank reads what it needs
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(buf, storage_reader=VerifyingReader(str(path), checksums), no_dist=True)
+        with _damage_named(path):  # every rank reads what it needs, without a process group
+            read_verified(path, reader.checksums, buf)
         return buf[MODEL_PREFIX + name].view(shapes[name])
 
     return WeightSource("checkpoint", path, cfg, list(shapes), read)

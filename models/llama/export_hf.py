@@ -6,10 +6,11 @@ CKPT_DIR is a torch.distributed.checkpoint directory (or a run directory / its c
 whose `latest` pointer names one) whose entries `model.<parameter name>` hold
 full logical fp32 tensors flattened to 1-D, with the run's resolved config.yaml inside it or in its
 parent (model node under `model`, the tokenizer path under `data.tokenizer` if any). Only the
-model entries are read, in this one process, without a process group; their shapes come from a
-meta-device model built from the saved config. OUT_DIR receives config.json, model.safetensors
-and, when the config names a tokenizer, tokenizer.json + tokenizer_config.json (models/llama/hf.py
-write_tokenizer: any tokenizer kind, encoding exactly as training did).
+model entries are read, in this one process, without a process group, each chunk checked against the
+checkpoint's checksums as resume checks it (a damaged checkpoint is one line naming the file, exit 3);
+their shapes come from a meta-device model built from the saved config. OUT_DIR receives config.json,
+model.safetensors and, when the config names a tokenizer, tokenizer.json + tokenizer_config.json
+(models/llama/hf.py write_tokenizer: any tokenizer kind, encoding exactly as training did).
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ import json
 import logging
 import pathlib
 import sys
-import warnings
 from dataclasses import replace
 from typing import Any
 
@@ -26,7 +26,6 @@ import torch
 
 from .hf import llama_config_from_dict, to_hf_config, to_hf_state_dict, write_tokenizer
 from .config import LlamaConfig
-from .dcp_safe import SafeFileSystemReader
 from .model import Llama
 
 log = logging.getLogger(__name__)
@@ -78,11 +77,16 @@ def resolve_checkpoint_dir(path: str | pathlib.Path) -> pathlib.Path:
 
 
 def load_model_state(ckpt_dir: str | pathlib.Path, cfg: LlamaConfig) -> dict[str, torch.Tensor]:
-    """Full-shape fp32 parameters from the checkpoint's `model.*` entries (nothing else is read)."""
-    import torch.distributed.checkpoint as dcp
+    """Full-shape fp32 parameters from the checkpoint's `model.*` entries (nothing else is read), each
+    chunk checked as resume checks it; a damaged checkpoint is amsp's CheckpointDamaged naming the file."""
+    # The trainer's checkpoint reading (amsp/checkpoint.py): imported here, not at the top, so models/
+    # stays importable without amsp/ (which imports models/); only reading a checkpoint needs it.
+    from amsp.checkpoint import open_verified
+    from amsp.init_from import read_verified
 
     ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
-    meta = SafeFileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata
+    _, reader, metadata = open_verified(ckpt_dir, require_meta=False)
+    meta = metadata.state_dict_metadata
     shapes = parameter_shapes(cfg)
     stored = {k[len(MODEL_PREFIX):]: v for k, v in meta.items() if k.startswith(MODEL_PREFIX)}
     missing, extra = sorted(set(shapes) - set(stored)), sorted(set(stored) - set(shapes))
@@ -96,10 +100,7 @@ def load_model_state(ckpt_dir: str | pathlib.Path, cfg: LlamaConfig) -> dict[str
             raise ValueError(f"checkpoint entry model.{name} has size {size}, expected {tuple(shape)} (or flat "
                              f"({shape.numel()},))")
         buffers[MODEL_PREFIX + name] = torch.empty(size, dtype=torch.float32)
-    # no_dist: one process reads every entry in full, no process group needed.
-    with warnings.catch_warnings():  # single-process on purpose; the warning only says so
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(buffers, storage_reader=SafeFileSystemReader(str(ckpt_dir)), no_dist=True)
+    read_verified(ckpt_dir, reader.checksums, buffers)  # one process reads every entry in full
     return {name: buffers[MODEL_PREFIX + name].view(shape) for name, shape in shapes.items()}
 
 
@@ -142,11 +143,16 @@ def main(argv: list[str] | None = None) -> int:
                     "(default: data.tokenizer of the saved config)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from amsp.errors import RunError
+
     try:
         export(args.ckpt_dir, args.out_dir, args.dtype, args.tokenizer)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2  # an input error (amsp/errors.py): the same command fails the same way
+    except RunError as e:  # a damaged checkpoint: one line and amsp/errors.py's code (3), as resume gives
+        print(f"{e.kind}: {e}", file=sys.stderr)
+        return e.exit_code
     return 0
 
 

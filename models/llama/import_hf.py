@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         import_hf(args.hf_dir, args.out_dir)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2  # an input error (amsp/errors.py): the same command fails the same way
     return 0
 
 

@@ -2,7 +2,9 @@
 permutation), the export -> import round trip is bitwise lossless, the tokenizer loads, and
 bad inputs are named. Everything is local: no download."""
 import json
+import os
 import pathlib
+import shutil
 from dataclasses import asdict
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
+from amsp.checkpoint_verify import CheckpointDamaged
 from models.llama import LlamaConfig, RopeScaling, build_model
 from models.llama.export_hf import export, load_model_state
 from models.llama.hf import halves_to_interleaved, interleaved_to_halves
@@ -30,23 +33,31 @@ CONFIGS = {
 }
 
 
-def write_checkpoint(ckpt_dir: pathlib.Path, cfg: LlamaConfig, seed: int, tokenizer=None) -> dict:
-    """The agreed checkpoint format, written independently of import_hf: DCP entries
-    model.<name> as flat fp32 tensors plus the resolved config.yaml."""
+def random_weights(cfg: LlamaConfig, seed: int) -> dict[str, torch.Tensor]:
     model = build_model(cfg, seed=seed)
     with torch.no_grad():  # norms start at 1: perturb them so a swapped norm mapping shows
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.1)
-    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def config_yaml(cfg: LlamaConfig, tokenizer=None) -> str:
+    node = {"model": {"name": "unit", **asdict(cfg)}, "trainer": {"max_steps": 1}}
+    if tokenizer:
+        node["data"] = {"tokenizer": str(tokenizer)}
+    return OmegaConf.to_yaml(OmegaConf.create(node))
+
+
+def write_checkpoint(ckpt_dir: pathlib.Path, cfg: LlamaConfig, seed: int, tokenizer=None) -> dict:
+    """The agreed checkpoint format, written independently of import_hf: DCP entries
+    model.<name> as flat fp32 tensors plus the resolved config.yaml."""
+    state = random_weights(cfg, seed)
     entries = {f"model.{n}": t.reshape(-1) for n, t in state.items()}
     # A training checkpoint also holds optimizer state and scalars; export must read past them.
     entries.update({"optim.exp_avg.tok_embeddings.weight": torch.ones(3), "step": 7})
     dcp.save(entries, checkpoint_id=str(ckpt_dir), no_dist=True)
-    node = {"model": {"name": "unit", **asdict(cfg)}, "trainer": {"max_steps": 1}}
-    if tokenizer:
-        node["data"] = {"tokenizer": str(tokenizer)}
-    (ckpt_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(node)))
+    (ckpt_dir / "config.yaml").write_text(config_yaml(cfg, tokenizer))
     return state
 
 
@@ -209,8 +220,46 @@ def test_latest_pointer_and_tampered_metadata(tmp_path):
     export(tmp_path / "run", tmp_path / "hf")  # a run directory resolves through checkpoints/latest
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     (step / ".metadata").write_bytes(pickle.dumps(_Evil()))
-    with pytest.raises(pickle.UnpicklingError, match="posix.system|os.system"):
+    with pytest.raises(CheckpointDamaged, match="UnpicklingError: .*(posix.system|os.system)"):
         load_model_state(step, cfg)
     (step.parent / "latest").write_text("step_00000009\n")
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         export(tmp_path / "run", tmp_path / "hf2")
+
+
+def test_export_verifies_the_trainers_checksums(tmp_path, capsys):
+    """A checkpoint the trainer wrote (checksums/, meta.json, the `verified` mark) is checked as resume
+    checks it: a flipped bit in a stored weight, a truncated .metadata or a deleted checksums/ (meta.json
+    says the save was checksummed) is one line naming the file, exit 3 (a fault: amsp/errors.py), and
+    nothing is exported. Before, the first exported wrong weights, the second was a traceback and the
+    third exported unverified."""
+    from amsp.checkpoint import CheckpointManager, Fragment
+    from models.llama.export_hf import main
+    from tests.training.test_checkpoint_faults import flip_bit
+
+    cfg = CONFIGS["untied_mha"]
+    state = random_weights(cfg, seed=4)
+    CheckpointManager(tmp_path / "run").save(1, [Fragment(f"model.{n}", tuple(t.shape), (0,) * t.dim(), t)
+                                                 for n, t in state.items()], {}, {}, config_yaml(cfg))
+    assert main([str(tmp_path / "run"), str(tmp_path / "hf")]) == 0  # intact: exported
+    assert main([str(tmp_path / "no_such_run"), str(tmp_path / "hf_none")]) == 2  # input error, as errors.py says
+    restored = load_model_state(tmp_path / "run", cfg)
+    assert all(torch.equal(restored[k], state[k]) for k in state)
+    want = {"flip": "checksum mismatch in model.layers.0.attention.wq.weight", "metadata": "unreadable",
+            "manifests": "missing (meta.json says the save was checksummed)"}
+    for case in want:
+        run = shutil.copytree(tmp_path / "run", tmp_path / case)
+        step = run / "checkpoints" / "step_00000001"
+        if case == "flip":
+            where = flip_bit(step, "model.layers.0.attention.wq.weight")
+        elif case == "metadata":
+            where = step / ".metadata"
+            os.truncate(where, 100)
+        else:
+            where = step / "checksums"
+            shutil.rmtree(where)
+        capsys.readouterr()
+        assert main([str(run), str(tmp_path / f"hf_{case}")]) == 3, case
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"fault: {where}: ") and want[case] in err and "\n" not in err, err
+        assert not (tmp_path / f"hf_{case}" / "model.safetensors").exists(), case

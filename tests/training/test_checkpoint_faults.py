@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from amsp.checkpoint import CheckpointManager, Fragment
-from amsp.checkpoint_verify import CheckpointDamaged, NonFiniteCheckpoint, RunDirInUse
+from amsp.checkpoint_verify import CheckpointDamaged, CheckpointMismatch, NonFiniteCheckpoint, RunDirInUse
 from amsp.errors import FaultError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,6 +138,21 @@ def test_save_writes_manifest_and_verified_mark(two):
     assert [p.name for p in two.verified()] == ["step_00000002", "step_00000001"]
     path, meta = two.load_latest(loader(two))
     assert (path.name, meta["step"]) == ("step_00000002", 2)
+
+
+def test_a_newer_format_is_refused_not_set_aside_as_damaged(two, caplog):
+    """A checkpoint written by a newer version of the code is not damage: falling back set it aside as
+    `damaged-*` and resumed from the older one, losing its steps. Refused (exit 2), nothing moved; a
+    format that is not a number at all is still damage."""
+    meta = two.root / "step_00000002" / "meta.json"
+    record = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**record, "format_version": 99}))
+    with pytest.raises(CheckpointMismatch, match=r"checkpoint format 99 is not one this code reads .* a newer"):
+        two.load_latest(loader(two))
+    assert sorted(p.name for p in two.root.iterdir() if p.name.startswith(("step_", "damaged"))) == \
+        ["step_00000001", "step_00000002"]
+    meta.write_text(json.dumps({**record, "format_version": "x"}))
+    fallback(two, caplog, "checkpoint format 'x' is not one of the supported formats")
 
 
 def test_bit_flip_in_a_shard_falls_back(two, caplog):

@@ -10,7 +10,9 @@ run's checkpoint starts at step 0 with a fresh optimizer. Bad sources are one li
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import shutil
 
 import pytest
 import torch
@@ -293,3 +295,50 @@ def test_bad_init_from_is_one_line_input_error(hf_dir, corpus, tmp_path, case):
     assert proc.returncode == 2, stdout_lines(proc)[-3000:]
     errors = [ln for ln in proc.stderr.splitlines() if "init_from" in ln]
     assert len(errors) == 1 and want in errors[0], proc.stderr[-3000:]
+
+
+def damage(run: pathlib.Path, case: str) -> tuple[pathlib.Path, str]:
+    """Damage the run's only checkpoint as a disk or a copy can: (the file to name, what to say about it)."""
+    from tests.training.test_checkpoint_faults import flip_bit
+
+    step = run / "checkpoints" / "step_00000002"
+    if case == "flip":  # one bit in a stored weight
+        return flip_bit(step, "model.layers.0.attention.wq.weight"), "checksum mismatch in model.layers.0"
+    if case == "metadata":  # a torn .metadata
+        os.truncate(step / ".metadata", 100)
+        return step / ".metadata", "unreadable (UnpicklingError"
+    shutil.rmtree(step / "checksums")  # meta.json says the save was checksummed
+    return step / "checksums", "missing (meta.json says the save was checksummed)"
+
+
+@pytest.mark.parametrize("case", ["flip", "metadata", "manifests"])
+@pytest.mark.parametrize("given", ["step", "run"])
+def test_damaged_checkpoint_source_is_a_fault_naming_the_file(run_from_hf, tmp_path, case, given):
+    """In process (fast): a damaged checkpoint is a CheckpointDamaged (the fault resume gives, exit 3)
+    naming the file, given its step directory or the run directory. Before, the bit flip was DCP's
+    CheckpointException, the torn .metadata an UnpicklingError (tracebacks, exit 1) and the missing
+    manifests were not noticed: the weights were read unverified."""
+    from amsp.checkpoint_verify import CheckpointDamaged
+    from amsp.init_from import open_source
+
+    run = shutil.copytree(run_from_hf[0], tmp_path / "a")
+    where, want = damage(run, case)
+    with pytest.raises(CheckpointDamaged) as e:
+        src = open_source(run if given == "run" else run / "checkpoints" / "step_00000002")
+        for name in src.names:
+            src.read(name)
+    msg = str(e.value)
+    assert msg.startswith("trainer.init_from=") and f"{where}: {want}" in msg and "\n" not in msg, msg
+
+
+@pytest.mark.slow  # the same through train.py: the exit code and the one stderr line (~10 s)
+def test_damaged_init_from_is_one_line_fault(hf_dir, corpus, run_from_hf, tmp_path):
+    run = shutil.copytree(run_from_hf[0], tmp_path / "a")
+    where, want = damage(run, "flip")
+    proc = train(tmp_path / "b", f"trainer.init_from={run}", "trainer.max_steps=1", *FAST,
+                 *data_overrides(hf_dir, corpus), check=False)
+    assert proc.returncode == 3, stdout_lines(proc)[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if "init_from" in ln]
+    assert len(errors) == 1 and errors[0].startswith("fault: trainer.init_from=") and f"{where}: {want}" in errors[0], \
+        proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
