@@ -356,6 +356,9 @@ def run(cfg: DictConfig) -> None:
             wandb_run.log_metrics({"val/loss": loss}, step=step)
 
     step, signum = start_step, 0
+    # The logged loss is the mean over the steps since the last log line (as the times and tokens/s beside
+    # it), skipped steps excluded; summed on the device, reduced over ranks once per log line.
+    interval_loss, interval_held = torch.zeros((), device=device), 0
     try:
         for step in range(start_step + 1, cfg.trainer.max_steps + 1):  # 1-based: step N is the Nth update
             heartbeat.beat(step)
@@ -387,14 +390,19 @@ def run(cfg: DictConfig) -> None:
             if step == start_step + 1:  # the "construction to first step", compilation named apart
                 log_startup_time(device, construction_started, engine_built_s, compile_seconds() - compiled_before)
             skips.record(result.skipped, step, result.grad_norm)
+            if not result.skipped:
+                interval_loss += loss_sum
+                interval_held += losses_held
 
             timings, comm = timer.end_step(), engine.comm_stats()
             metrics.record_step(timings, comm=comm.as_metrics())
             replanner.observe(timings, comm.exposed_s)
             if step % cfg.trainer.log_interval == 0 or step == cfg.trainer.max_steps:
                 # The mean over ranks is needed only here: one control-plane value per log step.
-                total, held = control.all_reduce_sum_floats([loss_sum.item(), float(losses_held)])
-                loss = total / held
+                total, held = control.all_reduce_sum_floats([interval_loss.item(), float(interval_held)])
+                loss = total / held if held else float("nan")  # every step of the interval was skipped
+                interval_loss.zero_()
+                interval_held = 0
                 metrics.log(step, loss=loss, lr=lr, grad_norm=result.grad_norm, skipped_steps=skips.total,
                             tokens_seen=train_loader.state_dict()["consumed_samples"] * seq_len)
             if skips.exhausted:

@@ -70,3 +70,18 @@ def test_tokens_seen_continue_across_a_resume_with_another_batch(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
     recs = [json.loads(s) for s in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [(x["step"], x["tokens"]) for x in recs] == [(1, 256), (2, 512), (3, 1024)]
+
+
+def test_the_logged_loss_is_the_intervals_mean_skipped_steps_excluded(tmp_path):
+    """log_interval=3 logs the mean of its three steps' losses (it logged the last step's alone: two of every
+    three losses were never recorded), as the times and tokens/s beside it; a skipped (NaN) step is left out."""
+    from tests.training.runs import losses, train
+
+    train(tmp_path / "every", "trainer.max_steps=6")
+    every = losses(tmp_path / "every")
+    proc = train(tmp_path / "thirds", "trainer.max_steps=6", "trainer.log_interval=3", "debug.nan_loss_at_steps=[6]")
+    thirds = losses(tmp_path / "thirds")
+    assert sorted(thirds) == [3, 6] and "update skipped" in proc.stdout + proc.stderr, thirds
+    for step, steps in ((3, (1, 2, 3)), (6, (4, 5))):  # step 6's NaN is not part of the mean
+        want = sum(every[s] for s in steps) / len(steps)
+        assert abs(thirds[step] - want) <= 1e-6 * want, (step, thirds, every)
