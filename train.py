@@ -49,6 +49,7 @@ from amsp.batch_geometry import batch_geometry
 from amsp.resilience import Heartbeat, NaNInjector, PreemptionHandler, SkipGuard, TooManySkippedSteps, die_now
 from amsp.train_state import load_training_state, save_training_state
 from configs.schema import register_configs, to_llama_config
+from configs.sweep import gives_run_name, job_run_name, swept_keys
 from configs.validate import validate_config
 from data.loader import MicroBatchLoader, validation_batches, validation_rounds
 from data.pipeline import build_data
@@ -80,6 +81,24 @@ def pick_device_and_dtype(cfg: DictConfig, denv: DistEnv) -> tuple[torch.device,
     if name not in dtypes:
         raise ValueError(f"trainer.dtype={name!r} is not one of auto|fp32|bf16")
     return device, dtypes[name]
+
+
+def name_sweep_job(cfg: DictConfig, announce: bool) -> None:
+    """A job of a multirun sweep that gives no trainer.run_name gets one of its own (configs/sweep.py)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN or gives_run_name(list(hc.overrides.task)):
+        return
+    task = list(hc.overrides.task)
+    cfg.trainer.run_name = job_run_name(str(cfg.trainer.run_name), task, hc.job.override_dirname,
+                                        swept_keys(sys.argv[1:]))
+    if announce:
+        log.info("multirun job %s: trainer.run_name=%s (its own run directory; set trainer.run_name to choose)",
+                 hc.job.num, cfg.trainer.run_name)
 
 
 def resolve_run_dir(cfg: DictConfig) -> pathlib.Path:
@@ -151,6 +170,7 @@ def run(cfg: DictConfig) -> None:
     setup_logging(cfg.logging.level, denv.rank)
     log_backend_choices(denv)
     set_threads(cfg, denv)
+    name_sweep_job(cfg, announce=denv.is_main)
     run_dir = resolve_run_dir(cfg)
     # The run directory's lock first: a second live run into it is refused before it writes anything
     # there (its config.yaml replaced the live run's) or builds a model beside it.
