@@ -245,6 +245,11 @@ def _plain(v):
     return OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
 
 
+def _given(p: DictConfig, keys) -> list[str]:
+    """parallel.<key>=value for each of `keys` (of JOINT_CHOOSES) set to other than its default."""
+    return [f"parallel.{k}={_describe(v)}" for k in keys if (v := _plain(OmegaConf.select(p, k))) != JOINT_CHOOSES[k]]
+
+
 def _parallel_problems(cfg: DictConfig) -> list[str]:
     """parallel.* against the model and the batch: what can be known before any process group exists."""
     p = OmegaConf.select(cfg, "parallel")
@@ -269,8 +274,7 @@ def _parallel_problems(cfg: DictConfig) -> list[str]:
         out.append("parallel.auto=true is not allowed with a named amsp.plan: the joint planner chooses the AMSP "
                    "degrees too (set amsp.plan=auto)")
     if p.auto:  # what the joint planner chooses (amsp/parallel/joint_startup.py) is not also taken by hand
-        given = [f"parallel.{k}={_describe(v)}" for k, default in JOINT_CHOOSES.items()
-                 if (v := _plain(OmegaConf.select(p, k))) != default]
+        given = _given(p, JOINT_CHOOSES)
         given += [f"amsp.{k}={OmegaConf.select(cfg, f'amsp.{k}')}" for k in AMSP_DEGREES
                   if OmegaConf.select(cfg, f"amsp.{k}") is not None]
         if given:
@@ -312,8 +316,21 @@ def _parallel_problems(cfg: DictConfig) -> list[str]:
     if OmegaConf.select(cfg, "amsp.fuse_wgrad") is True and p.pp > 1 and p.schedule == "zero_bubble":
         out.append("amsp.fuse_wgrad=true is not allowed with parallel.schedule=zero_bubble: the fused GEMM runs in "
                    "the linear's backward, which the input-gradient pass and the weight pass both run")
+    # Without a pipeline train.py never reads the schedule, its virtual stages or the per-stage recomputation:
+    # refused rather than ignored (parallel.auto refuses them above; the planner CLI's what-if
+    # amsp.planner.pp prices the named schedule)
     flags = OmegaConf.select(p, "recompute_stages")
-    if flags is not None and len(flags) != stages:
+    no_pipeline = p.pp == 1 and not p.auto
+    what_if_pp = OmegaConf.select(cfg, "amsp.planner.pp", default=1)
+    if no_pipeline and not (_int(what_if_pp) and what_if_pp > 1) and \
+            (schedule := _given(p, ("schedule", "virtual_stages"))):
+        out.append(f"{', '.join(schedule)} not allowed with parallel.pp=1: a pipeline schedule needs "
+                   f"parallel.pp > 1 (drop them, or name parallel.pp)")
+    if no_pipeline and flags is not None:
+        out.append(f"parallel.recompute_stages={list(flags)} is not allowed with parallel.pp=1: it sets each "
+                   f"pipeline stage's recomputation (parallel.pp > 1); without a pipeline set "
+                   f"model.activation_checkpointing")
+    elif flags is not None and len(flags) != stages:
         out.append(f"parallel.recompute_stages={list(flags)} is not allowed: expected {stages} flags (pp x "
                    f"virtual_stages)")
     if p.pp > 1 and OmegaConf.select(cfg, "model.tie_embeddings"):

@@ -74,6 +74,12 @@ def test_bad_value_is_one_line_naming_key_value_and_allowed(key, value, allowed)
     # amsp.plan=auto's partitioner chooses the embedding+head degrees: these were ignored
     ({"amsp.embed_head_p": 2, "amsp.embed_head_g": 2}, "amsp.embed_head_p=2, amsp.embed_head_g=2 not allowed "
                                                         "with amsp.plan=auto alone"),
+    # without a pipeline train.py never read these: they were silently ignored
+    ({"parallel.schedule": "interleaved", "parallel.virtual_stages": 2},
+     "parallel.schedule='interleaved', parallel.virtual_stages=2 not allowed with parallel.pp=1: a pipeline "
+     "schedule needs parallel.pp > 1"),
+    ({"parallel.tp": 2, "parallel.recompute_stages": [True]},
+     r"parallel.recompute_stages=\[True\] is not allowed with parallel.pp=1: .*set model.activation_checkpointing"),
 ])
 def test_parallel_settings_checked_against_model_and_batch(overrides, words):
     cfg = default_cfg()
@@ -83,6 +89,21 @@ def test_parallel_settings_checked_against_model_and_batch(overrides, words):
     with pytest.raises(ConfigError, match=words) as err:
         validate_config(cfg)
     assert "\n" not in str(err.value)
+
+
+def test_pipeline_settings_refused_once_and_kept_for_what_ifs():
+    """parallel.auto names them among what the joint planner chooses (not twice); the planner CLI's
+    what-if amsp.planner.pp prices the named schedule, so it is not refused there."""
+    cfg = default_cfg()
+    for key, value in {"parallel.auto": True, "parallel.recompute_stages": [True]}.items():
+        OmegaConf.update(cfg, key, value, force_add=False)
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    assert "not allowed with parallel.auto=true" in str(err.value) and "parallel.pp=1" not in str(err.value)
+    cfg = default_cfg()
+    for key, value in {"amsp.planner.pp": 2, "parallel.schedule": "gpipe"}.items():
+        OmegaConf.update(cfg, key, value, force_add=False)
+    validate_config(cfg)
 
 
 def test_explicit_plans_keep_their_embedding_and_head_degrees():

@@ -57,12 +57,21 @@ def joint_plan_for_run(cfg: DictConfig, denv, device, run_dir: pathlib.Path | No
         tp_times.update({(g, tp, m): v for (g, tp), v in measured_tp_units(at, model, denv, device, groups).items()})
     plan, table = control.decided_by_rank0(
         lambda: _plan(cfg, denv, device, run_dir, mixed, r, points, profiles, tp_times), denv.rank)
-    cfg = OmegaConf.merge(cfg, {
+    return with_joint_plan(cfg, plan), plan, table
+
+
+def with_joint_plan(cfg: DictConfig, plan) -> DictConfig:
+    """cfg as if the plan's choices had been given by hand. Its per-stage recomputation goes through
+    parallel.recompute_stages where there is a mesh (tp or pp > 1); without one (tp = pp = 1) nothing reads
+    that list, so the one stage's choice is model.activation_checkpointing (full, or none), as priced."""
+    meshless = plan.tp == 1 and plan.pp == 1
+    return OmegaConf.merge(cfg, {
         "parallel": {"tp": plan.tp, "pp": plan.pp, "layer_split": plan.layer_split if plan.pp > 1 else None,
-                     "schedule": "1f1b", "virtual_stages": 1, "recompute_stages": plan.recompute},
+                     "schedule": "1f1b", "virtual_stages": 1,
+                     "recompute_stages": None if meshless else plan.recompute},
         "trainer": {"micro_batch_size": plan.micro_batch_size},
+        **({"model": {"activation_checkpointing": "full" if plan.recompute[0] else "none"}} if meshless else {}),
     })
-    return cfg, plan, table
 
 
 def _plan(cfg, denv, device, run_dir, mixed, r, points, profiles: dict, tp_times: dict):
@@ -134,7 +143,8 @@ def measured_profiles(cfg: DictConfig, denv, device, groups: list[str] | None) -
 
 
 def tp_cache_path(cfg: DictConfig, model, denv, device, tp: int, groups: list[str] | None = None) -> pathlib.Path:
-    """The file measured_tp_units caches the units of `tp` in (beside the compute profile's, same key)."""
+    """The file measured_tp_units caches the units of `tp` in (beside the compute profile's, same key, and
+    the run's sequence / loss parallelism when off)."""
     import torch
     import torch.distributed as dist
 
@@ -150,7 +160,27 @@ def tp_cache_path(cfg: DictConfig, model, denv, device, tp: int, groups: list[st
     key = cache_key(model, int(cfg.data.seq_len), int(cfg.trainer.micro_batch_size), timing_dtype(cfg, device),
                     "none", device, denv.world_size, backend, cores_shared(device, denv), layout)
     cache = pathlib.Path(p.cache_dir) if p.cache_dir else default_cache_dir()
-    return cache / f"tp{tp}-v{TP_PROFILE_VERSION}-{key}.json"
+    # what is timed depends on them (tp_modes): a run with sequence or loss parallelism off keeps files apart;
+    # the names with both on are unchanged, so their caches stay valid
+    modes = tp_modes(cfg)
+    off = "".join(f"-no{tag}" for tag, k in (("sp", "sequence_parallel"), ("lp", "loss_parallel")) if not modes[k])
+    return cache / f"tp{tp}-v{TP_PROFILE_VERSION}{off}-{key}.json"
+
+
+def tp_modes(cfg: DictConfig) -> dict:
+    """The run's sequence_parallel / loss_parallel (parallel.*), as measure_tp_units takes them."""
+    return {k: bool(OmegaConf.select(cfg, f"parallel.{k}", default=True))
+            for k in ("sequence_parallel", "loss_parallel")}
+
+
+def measured_tp_degrees(cfg: DictConfig, model, denv) -> list[int]:
+    """The tp > 1 measured_tp_units times: the joint planner's candidates on this run's nodes, under the
+    run's sequence parallelism (without it the sequence need not split over tp)."""
+    from ..planner.joint.search import tp_candidates
+    from ..planner.startup import ranks_per_node
+
+    return tp_candidates(model, ranks_per_node(cfg, denv.local_world_size), int(cfg.data.seq_len),
+                         tp_modes(cfg)["sequence_parallel"])[1:]  # tp 1: the compute profile
 
 
 def measured_tp_units(cfg: DictConfig, model, denv, device, groups: list[str] | None = None,
@@ -168,8 +198,7 @@ def measured_tp_units(cfg: DictConfig, model, denv, device, groups: list[str] | 
     from ..planner.cache_file import read_shared, write_atomic
     from ..planner.compute_profile import medians_by_group
     from ..planner.from_config import planner_config
-    from ..planner.joint.search import tp_candidates
-    from ..planner.startup import ranks_per_node, timing_dtype
+    from ..planner.startup import timing_dtype
     from .tp_profile import TPUnitTimes, measure_tp_units
 
     p = planner_config(cfg)
@@ -177,19 +206,20 @@ def measured_tp_units(cfg: DictConfig, model, denv, device, groups: list[str] | 
     seq, mbs = int(cfg.data.seq_len), int(cfg.trainer.micro_batch_size)
     dtype = timing_dtype(cfg, device)
     field = "times" if groups is None else "times_by_group"
+    # as the run applies them: sequence parallelism sets the residual stream each rank holds and its
+    # collectives, loss parallelism whether the full logits are gathered
+    modes = tp_modes(cfg)
     out = {}
-    candidates = tp_candidates(model, ranks_per_node(cfg, denv.local_world_size), seq)[1:]  # tp 1: the profile
-    for tp in [t for t in candidates if tps is None or t in tps]:
-        # sequence and loss parallelism on, as the run applies them
+    for tp in [t for t in measured_tp_degrees(cfg, model, denv) if tps is None or t in tps]:
         path = tp_cache_path(cfg, model, denv, device, tp, groups)
         cached = read_shared(path, field, p.probe_cache, denv.rank, denv.world_size > 1, "tensor-parallel profile")
         if cached is not None:
             by_group = {None: TPUnitTimes(**cached)} if groups is None else \
                 {g: TPUnitTimes(**v) for g, v in cached.items()}
         elif groups is None:
-            by_group = {None: measure_tp_units(model, seq, mbs, dtype, device, tp, denv.world_size)}
+            by_group = {None: measure_tp_units(model, seq, mbs, dtype, device, tp, denv.world_size, **modes)}
         else:  # every rank its own times, each node group the median of its ranks
-            mine = measure_tp_units(model, seq, mbs, dtype, device, tp, denv.world_size, slowest=False)
+            mine = measure_tp_units(model, seq, mbs, dtype, device, tp, denv.world_size, **modes, slowest=False)
             rows = control.all_gather_object([mine.block_s, mine.head_s, mine.embedding_s])
             by_group = {g: TPUnitTimes(tp, *med) for g, med in medians_by_group(rows, groups).items()}
         if cached is None and denv.rank == 0:

@@ -30,7 +30,9 @@ from omegaconf import OmegaConf
 
 from amsp.batch_geometry import batch_geometry
 from amsp.errors import InputError
+from amsp.parallel.micro_batches import micro_batch_problem
 from configs.schema import register_configs
+from configs.validate import AMSP_DEGREES, JOINT_CHOOSES
 
 from .compute_profile import load_profile, load_profiles
 from .allocator import describe_margin
@@ -68,8 +70,9 @@ def checked_config(overrides: list[str]):
     return cfg
 
 
-# What the joint planner chooses itself: an override of these would be silently replaced by its choice.
-JOINT_CHOOSES = ("parallel.tp", "parallel.pp", "parallel.layer_split")
+# What the joint planner chooses itself (train.py refuses them with parallel.auto=true; configs/validate.py):
+# an override of these would be silently replaced by its choice.
+JOINT_KEYS = tuple(f"parallel.{k}" for k in JOINT_CHOOSES) + tuple(f"amsp.{k}" for k in AMSP_DEGREES)
 
 
 def overridden(overrides: list[str], keys) -> list[str]:
@@ -87,11 +90,13 @@ def refuse_ignored_options(mode: str, args) -> None:
     if args.joint:
         ignored = [name for name, given in (("simulate", mode == "simulate"), ("--price", bool(args.price)),
                                             ("--collectives tensor", args.collectives != "unit")) if given]
-        ignored += overridden(args.overrides, JOINT_CHOOSES)
+        ignored += overridden(args.overrides, JOINT_KEYS)
+        # a named AMSP plan: the joint planner picks every stage's degrees (amsp.plan=auto is what it does)
+        ignored += [o for o in overridden(args.overrides, ("amsp.plan",)) if o.split("=", 1)[-1] != "auto"]
         if ignored:
             raise InputError(f"{' and '.join(ignored)}: not available with --joint (the joint planner ranks its "
-                             f"whole space; name a plan's tp/pp with parallel.* and use the AMSP planner to price "
-                             f"its degrees)")
+                             f"whole space and prices the 1F1B schedule; name a plan's tp/pp with parallel.* and "
+                             f"use the AMSP planner to price its degrees)")
     else:
         ignored = [o for o, v in (("--hetero", args.hetero), ("--efficiency", args.efficiency)) if v]
         if ignored:
@@ -194,6 +199,9 @@ def _run(mode: str, args) -> int:
     w = workload_from_config(cfg, cluster)
     model = CostModel(w, cluster, options)
     announce_rounded_batch(batch_geometry(cfg, model.dp_world, announce=False), model.dp_world)
+    # the rounded batch's micro-batches against the schedule, as train.py refuses them before any build
+    if w.pp > 1 and (problem := micro_batch_problem(w.schedule, w.micro_batches, w.pp)) is not None:
+        raise InputError(problem)
     out(f"model {cfg.model.name}: {w.params_per_rank() / 1e9:.2f}B parameters per rank, seq_len {w.seq_len}, "
         f"{w.micro_batches} micro-batch(es) of {w.micro_batch_size} per rank, {precision_name(cfg, cluster)}, "
         f"recomputation {w.recompute}, tp {w.tp}, pp {w.pp}; compute from {model.compute_source}")

@@ -150,12 +150,15 @@ def tp_local_profile(profile: ComputeProfile, cfg: DictConfig, model, denv, devi
     The TP measurement is forward + backward in one; it is split as the whole block splits. Collective."""
     from dataclasses import replace
 
-    from amsp.parallel.joint_startup import measured_tp_units, tp_cache_path
+    from amsp.parallel.joint_startup import measured_tp_degrees, measured_tp_units, tp_cache_path
+    from configs.validate import ConfigError
 
     units = measured_tp_units(cfg, model, denv, device, tps=[tp])
-    if (None, tp) not in units:
-        raise ValueError(f"parallel.tp={tp}: no tensor-parallel profile for it (measured tp: "
-                         f"{sorted(t for _, t in units)}); tp must divide the ranks per node and the heads")
+    if (None, tp) not in units:  # every rank alike: one line and exit status 2, not a traceback
+        raise ConfigError(f"parallel.tp={tp}: no tensor-parallel profile for it (measurable tp: "
+                          f"{measured_tp_degrees(cfg, model, denv) or 'none'}: they divide the ranks per node, "
+                          f"the heads, the vocabulary, the MLP's hidden size and, with sequence parallelism, "
+                          f"data.seq_len); name one of those, or set amsp.planner.measure_compute=false")
     block_s, head_s, emb_s = units[(None, tp)]
     whole = profile.block_forward_s + profile.block_backward_s
     share = profile.block_forward_s / whole if whole > 0 else 1 / 3

@@ -79,3 +79,57 @@ def test_every_accepted_layout_gives_dp_groups_their_true_node_shape():
                         assert set(per_node.values()) == {topo.ranks_per_node}, (world, rpn, tp, pp, per_node)
                         assert len(per_node) == topo.nodes, (world, rpn, tp, pp, per_node)
     assert accepted > 100 and refused > 10
+
+
+def _startup_cfg(*overrides):
+    from amsp.launch import DistEnv
+    from amsp.planner.__main__ import compose_config
+    from configs.schema import to_llama_config
+
+    cfg = compose_config(["model=debug", *overrides])
+    return cfg, to_llama_config(cfg.model), DistEnv(rank=0, world_size=4, local_rank=0, local_world_size=4,
+                                                    launcher="torchrun")
+
+
+def test_startup_times_tp_for_a_sequence_it_does_not_split():
+    """The TP degrees startup times (the joint planner's candidates): without sequence parallelism the
+    sequence need not divide by tp; they were all left out for data.seq_len=63 (the debug model's 2 kv
+    heads allow tp 2 on 4 ranks a node)."""
+    from amsp.parallel.joint_startup import measured_tp_degrees
+
+    for sp, tps in (("true", []), ("false", [2])):
+        assert measured_tp_degrees(*_startup_cfg("data.seq_len=63", f"parallel.sequence_parallel={sp}")) == tps
+
+
+def test_a_tp_startup_cannot_time_is_one_line_naming_those_it_can(monkeypatch):
+    """It was a bare ValueError (a traceback, exit 1) whose reason left out the sequence and the MLP."""
+    from amsp.errors import classify
+    from amsp.parallel import joint_startup
+    from amsp.planner.compute_profile import ComputeProfile
+    from amsp.planner.startup import tp_local_profile
+
+    cfg, model, denv = _startup_cfg("parallel.tp=4")
+    monkeypatch.setattr(joint_startup, "measured_tp_units", lambda *a, **k: {})
+    with pytest.raises(ValueError) as err:
+        tp_local_profile(ComputeProfile(0.01, 0.02, 0.005, 0.001, None, "measured"), cfg, model, denv, "cpu", 4)
+    assert classify(err.value) == (2, "config error")
+    assert "measurable tp: [2]" in str(err.value) and "with sequence parallelism, data.seq_len" in str(err.value)
+
+
+def test_a_joint_choice_without_a_mesh_recomputes_through_the_model_config():
+    """parallel.auto choosing tp = pp = 1 with recomputation: nothing reads parallel.recompute_stages without a
+    mesh, so the recomputation the planner priced (full, or none) goes to model.activation_checkpointing."""
+    from types import SimpleNamespace
+
+    from amsp.parallel.joint_startup import with_joint_plan
+    from tests.test_presets import composed
+
+    cfg = composed("model=debug", "parallel.auto=true")
+    for tp, pp, recompute, want in ((1, 1, [True], "full"), (1, 1, [False], "none"), (2, 1, [True], None)):
+        plan = SimpleNamespace(tp=tp, pp=pp, layer_split=[2], recompute=recompute, micro_batch_size=2)
+        out = with_joint_plan(cfg, plan)
+        if want is None:  # a mesh: its stages read the list
+            assert list(out.parallel.recompute_stages) == recompute
+            assert out.model.activation_checkpointing == cfg.model.activation_checkpointing
+        else:
+            assert out.parallel.recompute_stages is None and out.model.activation_checkpointing == want

@@ -407,3 +407,20 @@ def test_tp_dp_equals_single_process(tmp_path):
             if not any(r["case"].get(k) for k in ("fault", "profile", "profile_cache", "embedding_grad", "saved",
                                                   "kept", "te", "timeouts")):
                 assert r["param_err"] <= 1e-5, r
+
+
+def test_tp_without_sequence_parallelism_trains_a_sequence_tp_does_not_divide(tmp_path):
+    """parallel.tp=2 with sequence and loss parallelism off at data.seq_len=63 (torchrun, 2 ranks): the startup
+    planner timed no tp for a sequence tp does not divide, as if sequence parallelism split it, and stopped
+    with a traceback; its TP units are now timed and cached as the run applies them (their own file)."""
+    from amsp.parallel.tp_profile import TP_PROFILE_VERSION
+    from tests.training.runs import records, train
+
+    run, cache = tmp_path / "tp2_nosp", tmp_path / "cache"
+    proc = train(run, "data.seq_len=63", "trainer.max_steps=2", "parallel.tp=2",
+                 "parallel.sequence_parallel=false", "parallel.loss_parallel=false", "trainer.checkpoint_interval=0",
+                 f"amsp.planner.cache_dir={cache}", "amsp.planner.probe_budget_s=1", nproc=2, timeout=300)
+    assert [r["step"] for r in records(run)] == [1, 2], proc.stdout[-2000:]
+    assert "tensor-parallel profile: tp 2:" in proc.stdout + proc.stderr
+    names = [p.name.split("-")[:4] for p in cache.glob("tp2-*.json")]
+    assert names == [["tp2", f"v{TP_PROFILE_VERSION}", "nosp", "nolp"]], names

@@ -118,11 +118,42 @@ def test_hetero_file_without_groups_or_figures_names_what_is_wrong(tmp_path, cap
     assert message in _last_error(capsys)
 
 
+# What train.py refuses with parallel.auto=true (configs/validate.py): the schedule, virtual stages,
+# recomputation per stage, AMSP degrees and a named plan were silently replaced by the joint planner's choice.
 @pytest.mark.parametrize("override", ["parallel.tp=2", "parallel.pp=2", "parallel.layer_split=[16,16]",
-                                      "++parallel.tp=1"])
+                                      "++parallel.tp=1", "parallel.schedule=gpipe", "parallel.virtual_stages=2",
+                                      "parallel.recompute_stages=[true]", "amsp.p=2", "amsp.embed_head_os=2",
+                                      "amsp.plan=zero3"])
 def test_joint_refuses_degrees_it_chooses(capsys, override):
     assert main(["--joint", "model=llama2_7b", "cluster=h100x8", override]) == 2
     assert f"{override}: not available with --joint" in _last_error(capsys)
+
+
+def test_joint_takes_what_train_py_takes_with_parallel_auto(capsys):
+    """Not chosen by the joint planner, so not refused: loss parallelism and amsp.plan=auto."""
+    args = ["--joint", "--json", "model=debug", "cluster=h100x8", "trainer.global_batch_size=16"]
+    assert main(args + ["parallel.loss_parallel=false", "amsp.plan=auto"]) == 0, capsys.readouterr().err
+
+
+def test_joint_considers_tp_for_a_sequence_it_does_not_split(capsys):
+    """Without sequence parallelism the sequence need not divide by tp (tensor_parallel.check_divisible):
+    tp > 1 was left out for data.seq_len=63 as if it were split."""
+    args = ["--joint", "--json", "model=debug", "cluster=h100x8", "data.seq_len=63", "trainer.global_batch_size=16",
+            "amsp.planner.top_k=100"]
+    for sp, tps in (("false", {1, 2}), ("true", {1})):  # the debug model's 2 kv heads: tp <= 2
+        assert main(args + [f"parallel.sequence_parallel={sp}"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert {p["tp"] for p in [out["choice"], *out["alternatives"]]} == tps, (sp, out["choice"])
+
+
+def test_a_pipeline_train_py_refuses_is_not_priced(capsys):
+    """1F1B needs a micro-batch per stage: 2 samples on dp 2 are one each (the batch rounded up to the
+    micro-batch size), which train.py refuses and the planner had priced."""
+    args = ["model=debug", "cluster=h100x8", "parallel.tp=2", "parallel.pp=2", "trainer.global_batch_size=2"]
+    assert main(args) == 2
+    assert _last_error(capsys) == ("error: parallel.schedule=1f1b needs at least parallel.pp=2 micro-batches per "
+                                   "step, got 1: lower trainer.micro_batch_size or raise trainer.global_batch_size")
+    assert main(["--price", "zero3", *args[:-1], "trainer.micro_batch_size=1", "trainer.global_batch_size=4"]) == 0
 
 
 def test_rounded_batch_is_said_and_in_the_json(capsys):

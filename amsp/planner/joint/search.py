@@ -66,10 +66,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def tp_candidates(model: LlamaConfig, ranks_per_node: int, seq_len: int) -> list[int]:
+def tp_candidates(model: LlamaConfig, ranks_per_node: int, seq_len: int, sequence_parallel: bool = True) -> list[int]:
     """The tensor-parallel degrees the search considers (ascending, 1 first): they divide the ranks per
-    node (TP stays inside a node) and every dimension TP splits (tensor_parallel.check_divisible)."""
-    dims = (model.n_heads, model.n_kv_heads, model.vocab_size, model.ffn_hidden_dim, seq_len)
+    node (TP stays inside a node) and every dimension TP splits (tensor_parallel.check_divisible): the
+    sequence only when sequence parallelism splits it (without it every TP rank holds the whole sequence)."""
+    dims = (model.n_heads, model.n_kv_heads, model.vocab_size, model.ffn_hidden_dim) + \
+        ((seq_len,) if sequence_parallel else ())
     return [t for t in _divisors(ranks_per_node) if all(d % t == 0 for d in dims)]
 
 
@@ -259,7 +261,7 @@ def plan_joint(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, glob
     world, gpn = cluster.world, cluster.ranks_per_node
     eff = check_efficiency(efficiency or {}, cluster)
     plans, shortfall = [], None
-    tps = tp_degrees or tp_candidates(model, gpn, seq_len)
+    tps = tp_degrees or tp_candidates(model, gpn, seq_len, sequence_parallel)
     left_out = _LeftOut()
     combos = []
     for tp, pp in ((tp, pp) for tp in tps for pp in _divisors(world // tp) if pp <= model.n_layers):
