@@ -283,6 +283,8 @@ def run(cfg: DictConfig) -> None:
     o = cfg.optim
     schedule = WarmupCosine(o.lr, lr_floor(o.lr, o.min_lr, o.min_lr_ratio), o.warmup_steps,
                             o.decay_steps or cfg.trainer.max_steps)
+    for warning in schedule.shape_warnings(cfg.trainer.max_steps) if denv.is_main else ():
+        log.warning("%s", warning)
 
     # Resume: the latest checkpoint of this run directory, whatever plan or world size wrote it.
     # A damaged checkpoint falls back to the newest verified older one.

@@ -46,3 +46,16 @@ class WarmupCosine:
         span = max(1, self.decay_steps - self.warmup_steps)
         progress = (step - self.warmup_steps) / span
         return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
+
+    def shape_warnings(self, max_steps: int) -> list[str]:
+        """A warmup longer than the run or than the decay span is legal (a short test of a recipe) but rarely
+        meant: a 7B recipe's 2000 warmup steps in a 100-step run reach 5% of the peak and never decay."""
+        if self.warmup_steps > max_steps:
+            last = self(max_steps - 1)
+            return [f"optim.warmup_steps={self.warmup_steps} > trainer.max_steps={max_steps}: the learning rate "
+                    f"reaches {last:.3g} ({last / self.lr:.0%} of optim.lr={self.lr:.3g}) and never decays"]
+        if self.warmup_steps >= self.decay_steps:
+            return [f"optim.warmup_steps={self.warmup_steps} >= the decay span ({self.decay_steps} steps: "
+                    f"optim.decay_steps, else trainer.max_steps): no cosine decay, the learning rate drops to "
+                    f"{self.min_lr:.3g} after the warmup"]
+        return []

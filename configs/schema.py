@@ -57,10 +57,10 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     lr: float = 1e-3
-    # The cosine's floor: min_lr if set, else lr x min_lr_ratio (the recipes' "decay to 10% of the
-    # peak", which then follows an optim.lr override).
-    min_lr: Optional[float] = 1e-4
-    min_lr_ratio: Optional[float] = None
+    # The cosine's floor: min_lr if set, else lr x min_lr_ratio ("decay to 10% of the peak", which then
+    # follows an optim.lr override; an absolute default would refuse a lower lr and ignore the ratio).
+    min_lr: Optional[float] = None
+    min_lr_ratio: Optional[float] = 0.1
     warmup_steps: int = 20
     decay_steps: Optional[int] = None  # None = trainer.max_steps
     weight_decay: float = 0.1

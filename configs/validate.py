@@ -161,11 +161,32 @@ def validate_config(cfg: DictConfig) -> None:
             ok = False
         if not ok:
             problems.append(f"{rule.key}={_describe(value)} is not allowed: expected {rule.allowed}")
+    problems += unknown_keys(cfg)
     problems += _cross_field_problems(cfg)
     if not any(p.startswith("model.") for p in problems):  # its divisibility rules would divide by a bad size
         problems += model_shape_problems(cfg)
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def unknown_keys(cfg: DictConfig, where: str = "") -> list[str]:
+    """Keys the schema (configs/schema.py) does not have. Hydra refuses `optim.lrr=1` but answers it with
+    "To append to your config use +optim.lrr=1", and an appended key was then read by nothing: the value the
+    user meant to set stayed at its default, silently."""
+    import dataclasses
+
+    out = []
+    schema = OmegaConf.get_type(cfg) if isinstance(cfg, DictConfig) else None
+    if schema is None or not dataclasses.is_dataclass(schema):
+        return out
+    known = {f.name for f in dataclasses.fields(schema)}
+    for key in cfg.keys():
+        name = f"{where}{key}"
+        if key not in known:
+            out.append(f"{name} is not a setting (misspelt? an appended +{name} is read by nothing)")
+        elif isinstance(child := cfg._get_node(key), DictConfig):
+            out += unknown_keys(child, f"{name}.")
+    return out
 
 
 def _cross_field_problems(cfg: DictConfig) -> list[str]:

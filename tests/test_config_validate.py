@@ -145,6 +145,8 @@ def test_train_py_stops_on_a_bad_value_with_one_line_and_exit_code_2(tmp_path):
     ("trainer.max_stepz=3", "Could not override 'trainer.max_stepz'"),
     ("trainer.max_steps=abc", "Value 'abc' of type 'str' could not be converted to Integer"),
     ("model=llama9_1b", "Could not find 'model/llama9_1b' Available options in 'model':"),
+    # Hydra's answer to a misspelt key suggests appending it; appended, it was read by nothing
+    ("+optim.lrr=1", "optim.lrr is not a setting (misspelt?"),
 ])
 def test_hydra_composition_errors_are_one_line_with_exit_code_2(tmp_path, override, names):
     import subprocess

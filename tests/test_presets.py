@@ -63,6 +63,17 @@ def test_command_line_overrides_win_over_the_recipe():
     assert lr_floor(1e-4, composed("model=llama2_7b", "optim.min_lr=2e-6").optim.min_lr, 0.1) == 2e-6
 
 
+@pytest.mark.parametrize("model", ["debug", "tiny"])
+def test_the_cpu_models_floor_follows_their_lr_and_ratio(model):
+    """debug and tiny had an absolute min_lr 1e-4 from their recipe: optim.lr=5e-5 was refused for a min_lr the
+    user never set, and optim.min_lr_ratio did nothing."""
+    low = composed(f"model={model}", "optim.lr=5e-5")
+    validate_config(low)
+    assert lr_floor(low.optim.lr, low.optim.min_lr, low.optim.min_lr_ratio) == pytest.approx(5e-6)
+    o = composed(f"model={model}", "optim.min_lr_ratio=0.05").optim
+    assert lr_floor(o.lr, o.min_lr, o.min_lr_ratio) == pytest.approx(5e-5)
+
+
 def test_cfg_job_prints_the_presets_lr():
     # What `python train.py model=llama2_7b --cfg job` shows: a plain value, not an interpolation.
     text = OmegaConf.to_yaml(composed("model=llama2_7b"))
@@ -88,3 +99,15 @@ def test_batch_rounding_is_to_the_nearest_whole_micro_batch_and_can_be_an_error(
     with pytest.raises(ValueError, match="not divisible"):
         batch_geometry(strict, 8)
     assert not batch_geometry(strict, 2).rounded
+
+
+def test_a_warmup_the_run_never_finishes_is_said():
+    """llama2_7b's 2000 warmup steps in the default 100-step run reach 5% of the peak and never decay: said
+    at startup (it was silent), as is a warmup that leaves no decay; a sound schedule says nothing."""
+    from amsp.optim import WarmupCosine
+
+    (short,) = WarmupCosine(3e-4, 3e-5, warmup_steps=2000, decay_steps=100).shape_warnings(max_steps=100)
+    assert "optim.warmup_steps=2000 > trainer.max_steps=100" in short and "(5% of optim.lr=0.0003)" in short
+    (flat,) = WarmupCosine(1e-3, 1e-4, warmup_steps=50, decay_steps=40).shape_warnings(max_steps=60)
+    assert "no cosine decay" in flat
+    assert WarmupCosine(1e-3, 1e-4, warmup_steps=20, decay_steps=100).shape_warnings(max_steps=100) == []
