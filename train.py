@@ -200,11 +200,11 @@ def run(cfg: DictConfig) -> None:
     cfg = resolve_auto_compile(cfg, denv, device)
     # parallel.auto: the joint planner picks tp, pp, the layer split, the micro-batch size, per-stage
     # recomputation and each stage's AMSP degrees; the run proceeds as if they had been given by hand.
+    # The planners' tables go to RUN_DIR/plan.txt with the run's other files, once the start goes ahead
+    # (write_run_files): a refused resume, or a start wandb refuses, leaves the directory as it was.
     joint, planned_table = None, None
-    plan_txt_waits = resuming(cfg, ckpt)  # plan.txt waits for a resume's checks (write_run_files)
-    if cfg.parallel.auto:  # a refused resume leaves the run's own plan.txt, as for amsp.plan=auto below
-        cfg, joint, planned_table = joint_plan_for_run(cfg, denv, device,
-                                                       run_dir if denv.is_main and not plan_txt_waits else None)
+    if cfg.parallel.auto:
+        cfg, joint, planned_table = joint_plan_for_run(cfg, denv, device, None)
     # Model parallelism (parallel.tp / parallel.pp): the mesh owns every group; the batch splits over the
     # DP groups only (a TP group and a pipeline read the same samples). None: data parallelism alone.
     mesh = mesh_from_config(cfg, denv)
@@ -220,8 +220,7 @@ def run(cfg: DictConfig) -> None:
     if joint is not None:
         plan = stage_plan(joint, mesh, denv.rank)
     elif cfg.amsp.plan == "auto" and cfg.amsp.p is None:
-        # a refused resume leaves the run's own plan.txt
-        planned = plan_for_run(cfg, denv, device, run_dir if denv.is_main and not plan_txt_waits else None)
+        planned = plan_for_run(cfg, denv, device, None)
         plan, planned_table = planned.plan, planned.table
         # A resumed run continues on the plan its recheck switched to (RUN_DIR/replan.json), not the prior's.
         switched = control.decided_by_rank0(
@@ -324,11 +323,6 @@ def run(cfg: DictConfig) -> None:
         if start_step >= cfg.trainer.max_steps:
             log.warning("checkpoint step %d >= trainer.max_steps=%d: nothing to train", start_step,
                         cfg.trainer.max_steps)
-    if denv.is_main:
-        write_run_files(run_dir, config_yaml, data.tokenizer.model_file, tokenizer_copy,
-                        planned_table if plan_txt_waits else None)
-        if latest is None:  # a fresh start: an earlier run's rows here are not this run's steps
-            set_aside_logs(run_dir, ("metrics.jsonl", "validation.jsonl"))
 
     tokens_per_step = gbs * seq_len
     # Rank 0 starts wandb; a failure there (not logged in, no network) stops every rank with its one line.
@@ -341,6 +335,11 @@ def run(cfg: DictConfig) -> None:
     problem = control.broadcast_object(problem, src=0) if denv.world_size > 1 else problem
     if problem:
         raise InputError(problem)
+    if denv.is_main:  # only now: a start refused by wandb (not logged in, no network) has written nothing here
+        write_run_files(run_dir, config_yaml, data.tokenizer.model_file, tokenizer_copy,
+                        planned_table)
+        if latest is None:  # a fresh start: an earlier run's rows here are not this run's steps
+            set_aside_logs(run_dir, ("metrics.jsonl", "validation.jsonl"))
     # The plan in the run config (degrees, and the planner's prediction) and the planner's ranked table.
     if switched is None:
         log_plan(wandb_run, engine.plan, cfg.amsp.plan, planned)
@@ -494,15 +493,11 @@ def check_writable(run_dir: pathlib.Path) -> None:
         pass
 
 
-def resuming(cfg: DictConfig, ckpt: CheckpointManager) -> bool:
-    """Whether this start will try to load a checkpoint (it may still be refused)."""
-    return bool(cfg.trainer.resume) and (ckpt.latest_name() is not None or bool(ckpt.verified()))
-
-
 def write_run_files(run_dir: pathlib.Path, config_yaml: str, tokenizer_file, tokenizer_copy: pathlib.Path,
                     plan_table: str | None) -> None:
-    """Rank 0, after a resume's checks passed: the run's config, the planner's table when its writing waited
-    for them, and the tokenizer copy that checkpoints' exports use (copied only when it differs)."""
+    """Rank 0, once the start goes ahead (a resume's checks passed, wandb started): the run's config, the
+    planner's table (None: no planner ran), and the tokenizer copy that checkpoints' exports use (copied only
+    when it differs)."""
     (run_dir / "config.yaml").write_text(config_yaml)
     if plan_table is not None:
         (run_dir / "plan.txt").write_text(plan_table + "\n")

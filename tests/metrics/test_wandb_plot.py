@@ -210,3 +210,18 @@ def test_chosen_plan_and_planner_table_in_offline_wandb_files(tmp_path, monkeypa
     assert chosen["blocks"] == {"p": by_hand.blocks.p, "g": by_hand.blocks.g, "os": by_hand.blocks.os}
     assert chosen["replaced"]["name"] == "zero2" and chosen["reason"] == "zero3 predicted 12% faster"
     assert "predicted" not in chosen  # the startup's prediction was for the plan replaced
+
+
+def test_a_start_wandb_refuses_writes_nothing_to_the_run_directory(tmp_path, monkeypatch):
+    """train.py with logging.wandb.mode=online and no login: exit 2, and the run directory holds no config.yaml
+    or plan.txt of a run that never started (they were written before wandb was asked)."""
+    from amsp.errors import EXIT_INPUT
+    from tests.training.runs import train
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "runs" / "r"
+    proc = train(run, "trainer.max_steps=1", "logging.wandb.mode=online", check=False)
+    assert proc.returncode == EXIT_INPUT and "wandb could not start the run" in proc.stderr, proc.stderr[-2000:]
+    assert not (run / "config.yaml").exists() and not (run / "plan.txt").exists(), sorted(run.iterdir())
