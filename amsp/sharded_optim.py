@@ -111,6 +111,9 @@ def _segments(chunk: int, decay: list[tuple[int, int]]) -> list[tuple[int, bool]
     return runs
 
 
+NORM_CHUNK = 1 << 15  # elements per partial norm on CPU (_global_sq_norm)
+
+
 class ShardedAdamW:
     def __init__(self, units: list[FlatUnit], settings: AdamWSettings, comm: Comm, kernel: str = "auto",
                  norm_ranks: tuple[int, ...] | None = None):
@@ -141,6 +144,12 @@ class ShardedAdamW:
         # The gradient norm reads, per unit, the runs of its OS gradient that count (all of it unless some
         # parameters are TP-replicated copies counted on another rank): lengths fixed, so weights too.
         self._norm_runs = [_segments(u.layout.chunk, u.norm_excluded) for u in units]
+        if torch.device(device).type == "cpu":
+            # A CPU norm accumulates in fp32 along the whole tensor: over a 1M-element embedding shard that is
+            # ~1e-5 off, relative, and plans whose shard boundaries differ disagreed by that much. Runs of at
+            # most NORM_CHUNK elements keep each sum short (views; their squares are added up in the step).
+            self._norm_runs = [[(min(NORM_CHUNK, n - i), excluded) for n, excluded in runs
+                                for i in range(0, n, NORM_CHUNK)] for runs in self._norm_runs]
         self._inv_replicas = torch.tensor([1.0 / u.replicas for u, runs in zip(units, self._norm_runs)
                                            for _, excluded in runs if not excluded],
                                           dtype=torch.float32, device=device)
