@@ -188,6 +188,11 @@ def run(cfg: DictConfig) -> None:
         else:
             log.info("resolved config:\n%s", resolved)
             log.info("run directory: %s", run_dir.resolve())
+            t = cfg.trainer
+            log.info("checkpoints: %s, keep the last %d; %s", f"every {t.checkpoint_interval} steps and at the end"
+                     if t.checkpoint_interval else "at the end only", t.keep_last_checkpoints,
+                     "asynchronous (a background thread writes a snapshot while training goes on)"
+                     if t.async_checkpoint else "synchronous (training waits for each save)")
     if control.all_reduce_max_int(int(unwritable is not None)):  # every rank stops, not only rank 0
         raise unwritable or InputError(f"rank 0 cannot write the run directory {run_dir}")
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .collectives import Comm
+from .errors import InputError
 from .flat_unit import FlatUnit
 
 log = logging.getLogger(__name__)
@@ -90,11 +91,13 @@ def resolve_kernel(kernel: str, device: torch.device) -> tuple[str, str]:
     if kernel == "auto":
         return ("fused", "available") if fused_adamw_available(device) else \
             ("foreach", f"no fused AdamW kernel for device type {torch.device(device).type}")
+    # A kernel this machine cannot run is the config's mismatch with it (exit 2), not a bug.
     if kernel == "fused" and not fused_adamw_available(device):
-        raise RuntimeError(f"no fused AdamW kernel for device type {torch.device(device).type}")
+        raise InputError(f"amsp.optimizer_kernel=fused: no fused AdamW kernel for device type "
+                         f"{torch.device(device).type} (amsp.optimizer_kernel=auto picks what it has)")
     if kernel == "csrc" and (missing := native_adamw_unavailable(device)) is not None:
-        raise RuntimeError(f"AdamW kernel csrc requested, but amsp_fused::adamw_update is unavailable on {device}: "
-                           f"{missing}")
+        raise InputError(f"amsp.optimizer_kernel=csrc: amsp_fused::adamw_update is unavailable on {device}: "
+                         f"{missing} (amsp.optimizer_kernel=auto picks what it has)")
     return kernel, "requested"
 
 

@@ -194,6 +194,13 @@ def _cross_field_problems(cfg: DictConfig) -> list[str]:
     lr, min_lr = OmegaConf.select(cfg, "optim.lr"), OmegaConf.select(cfg, "optim.min_lr")
     if _number(lr) and lr > 0 and _number(min_lr) and min_lr > lr:  # a bad lr is reported on its own
         out.append(f"optim.min_lr={min_lr} is not allowed: expected at most optim.lr={lr}")
+    a, t = OmegaConf.select(cfg, "amsp.precision"), OmegaConf.select(cfg, "trainer.dtype")
+    if a not in (None, "auto") and t not in (None, "auto") and a != t:  # each names the compute dtype
+        out.append(f"amsp.precision={a} contradicts trainer.dtype={t}: set one of them")
+    planner = OmegaConf.select(cfg, "amsp.planner")
+    if planner is not None and planner.get("replan") is True and planner.get("recheck_steps") == 0:
+        out.append("amsp.planner.replan=true needs a recheck to re-plan from: amsp.planner.recheck_steps is 0 "
+                   "(set it to the step whose measurement decides)")
     if min_lr is None and OmegaConf.select(cfg, "optim.min_lr_ratio") is None:
         out.append("optim.min_lr and optim.min_lr_ratio are both null: set one (the cosine schedule's floor)")
     seq, longest = OmegaConf.select(cfg, "data.seq_len"), OmegaConf.select(cfg, "model.max_seq_len")

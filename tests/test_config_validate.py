@@ -172,3 +172,16 @@ def test_a_sequence_longer_than_the_model_takes_is_refused_before_the_run():
         validate_config(cfg)
     cfg.data.seq_len = cfg.model.max_seq_len
     validate_config(cfg)
+
+
+@pytest.mark.parametrize("change, words", [
+    # both name the compute dtype: the contradiction was a ValueError traceback from the planner, after the run
+    # directory existed
+    ({"amsp": {"precision": "fp32"}, "trainer": {"dtype": "bf16"}}, "amsp.precision=fp32 contradicts trainer.dtype"),
+    # re-planning reads the recheck's measurement: without a recheck it was silently never done
+    ({"amsp": {"planner": {"replan": True, "recheck_steps": 0}}}, "amsp.planner.replan=true needs a recheck"),
+])
+def test_settings_that_contradict_each_other_are_refused(change, words):
+    cfg = OmegaConf.merge(default_cfg(), change)
+    with pytest.raises(ConfigError, match=words):
+        validate_config(cfg)

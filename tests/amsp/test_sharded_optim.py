@@ -13,6 +13,7 @@ import types
 import pytest
 import torch
 
+from amsp.errors import InputError
 from amsp.sharded_optim import AdamWSettings, ShardedAdamW, _segments
 
 SETTINGS = AdamWSettings(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=1.0)
@@ -209,7 +210,7 @@ def test_kernel_choice_is_logged(caplog):
     with caplog.at_level(logging.INFO, logger="amsp.sharded_optim"):
         opt = ShardedAdamW(meta, SETTINGS, _comm(1, 1))
     assert opt.kernel == "foreach" and "no fused AdamW kernel for device type meta" in caplog.text
-    with pytest.raises(RuntimeError, match="no fused AdamW kernel for device type meta"):
+    with pytest.raises(InputError, match="no fused AdamW kernel for device type meta"):
         ShardedAdamW(meta, SETTINGS, _comm(1, 1), kernel="fused")
     with pytest.raises(ValueError, match="not one of"):
         ShardedAdamW(_units(), SETTINGS, _comm(1, 1), kernel="apex")
