@@ -281,11 +281,13 @@ class AMSPEngine(PipelineMicroBatches):
         if self.rank != 0:
             return
         on = {True: "on", False: "off"}
+        spreading = sum(u.deg.p != u.deg.os for u in self.units)  # units whose step ends in a spread
+        spread = (f"{on[self.options.overlap_spread]} (window {self.options.spread_window} units)" if spreading
+                  else f"{on[self.options.overlap_spread]}, no effect (p = os for every unit: nothing to spread)")
         log.info("AMSP plan %s on %d ranks (%d per node); precision %s; prefetch %s; async grad reduce %s; "
-                 "spread overlap %s (window %d units)", self.plan, self.topo.world, self.topo.ranks_per_node,
+                 "spread overlap %s", self.plan, self.topo.world, self.topo.ranks_per_node,
                  f"{self.precision_name} (gradient communication {str(self.grad_dtype).removeprefix('torch.')})",
-                 on[self.options.prefetch], on[self.options.async_grad_reduce], on[self.options.overlap_spread],
-                 self.options.spread_window)
+                 on[self.options.prefetch], on[self.options.async_grad_reduce], spread)
         log.info("gradient accumulation into the fp32 G shards: %s", describe_accumulation(self.device))
         if self.fused_linears:
             log.info("linear weight gradients: accumulated by their own GEMM into the gradient buffers "

@@ -32,11 +32,14 @@ def test_invalid_plan_named_before_allocation(monkeypatch):
         AMSPEngine(C.model_cfg(), Plan(Degrees(1, 1, 1), Degrees(1, 1, 3)), Topology(6, 2), 0)
 
 
-def test_single_process_init_matches_build_model_and_guard_catches_stale_weights():
+def test_single_process_init_matches_build_model_and_guard_catches_stale_weights(caplog):
     cfg = C.model_cfg()
     ref = build_model(cfg, seed=C.SEED)
-    eng = AMSPEngine(cfg, Plan(Degrees(1, 1, 1), Degrees(1, 1, 1)), Topology(1, 1), 0, seed=C.SEED,
-                     options=EngineOptions(precision="fp32", overlap_spread=True, optim=C.SETTINGS))
+    with caplog.at_level("INFO", logger="amsp.engine"):
+        eng = AMSPEngine(cfg, Plan(Degrees(1, 1, 1), Degrees(1, 1, 1)), Topology(1, 1), 0, seed=C.SEED,
+                         options=EngineOptions(precision="fp32", overlap_spread=True, optim=C.SETTINGS))
+    # p = os everywhere: the switch is on but has nothing to overlap, said (it read "on (window 2 units)")
+    assert "spread overlap on, no effect (p = os for every unit" in caplog.text, caplog.text
     for name, p in ref.named_parameters():
         assert torch.equal(eng.model.get_parameter(name), p), name
     for m in range(C.MICRO):
