@@ -290,7 +290,8 @@ def plan_after_switch(run_dir: pathlib.Path, topo, world: int):
         return None
     d = last["to_degrees"]
     try:
-        plan = make_plan("custom", topo.world, topo.ranks_per_node, blocks=Degrees(d["p"], d["g"], d["os"]),
+        # named "auto" as at the switch: the planner chose it ("custom" read as a plan the user named)
+        plan = make_plan("auto", topo.world, topo.ranks_per_node, blocks=Degrees(d["p"], d["g"], d["os"]),
                          embed_head=Degrees(d["embed_head_p"], d["embed_head_g"], d["embed_head_os"]))
     except (PlanError, KeyError, TypeError) as e:
         log.warning("planner: cannot resume the plan switched to at step %s (%s); the startup's plan stands",

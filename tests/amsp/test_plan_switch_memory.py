@@ -75,7 +75,7 @@ def test_a_resumed_run_continues_on_the_plan_it_switched_to(tmp_path):
     got = plan_after_switch(_run_dir(tmp_path / "a", latest_step=6, world=4), topo, 4)
     assert got is not None
     plan, why, step = got
-    assert (plan.blocks, plan.embed_head) == (Degrees(1, 2, 4), Degrees(1, 1, 4))
+    assert (plan.blocks, plan.embed_head, plan.name) == (Degrees(1, 2, 4), Degrees(1, 1, 4), "auto")
     assert step == 4 and "switched to it at step 4" in why and "12% faster" in why
     # the latest checkpoint predates the switch, another world wrote it, or nothing was recorded
     assert plan_after_switch(_run_dir(tmp_path / "b", latest_step=3, world=4), topo, 4) is None
