@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from configs.sweep import MAX_NAME, gives_run_name, job_run_name, swept_keys
 from tests.training.runs import BASE, ROOT
 
@@ -24,6 +26,9 @@ def test_names_come_from_the_swept_keys_and_stay_short():
     assert not gives_run_name(["trainer.run_names=x"])
 
 
+# Slow (the suite's time budget): the default run keeps the naming itself
+# (test_names_come_from_the_swept_keys_and_stay_short).
+@pytest.mark.slow
 def test_a_sweep_trains_every_point_in_its_own_run_directory(tmp_path):
     cmd = [sys.executable, "train.py", "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}",
            f"trainer.output_dir={tmp_path / 'runs'}", *BASE, "trainer.max_steps=2", "optim.lr=1e-3,2e-3"]

@@ -52,14 +52,33 @@ def test_single_process_init_matches_build_model_and_guard_catches_stale_weights
         eng.forward_backward(*C.micro_batch(1, 0, 0), 0, C.MICRO)
 
 
+# Spread overlap and full recomputation over a subset of the plans in the default run (overlap where
+# os > p leaves spreads to overlap, recomputation across p = 1, 2 and 4); every plan with both runs with
+# `pytest -m slow tests/amsp/test_amsp_engine.py` (about 30 s more on two cores).
+OVERLAP_4 = [(1, 1, 4), (1, 2, 4), (2, 4, 4)]
+CKPT_4 = [(1, 2, 2), (2, 2, 4), (4, 4, 4)]
+
+
 @pytest.mark.distributed
 def test_every_plan_4_ranks_as_2_nodes_of_2():
+    _run_4(OVERLAP_4, CKPT_4)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_every_plan_with_overlap_and_recomputation_4_ranks():
+    every = [(d.p, d.g, d.os) for d in enumerate_degrees(4, 2)]
+    _run_4(every, every)
+
+
+def _run_4(overlap: list[tuple[int, int, int]], ckpt: list[tuple[int, int, int]]) -> None:
     world, rpn = 4, 2
     ref = {"untied": C.reference(world, STEPS, (5, 8, STEPS)), "tied": C.reference(world, 5, (5,), tie=True)}
     plans = [(d.p, d.g, d.os) for d in enumerate_degrees(world, rpn)]
+    assert all(b in plans for b in overlap + ckpt)
     cases = [{"blocks": b, "steps": STEPS} for b in plans]
-    cases += [{"blocks": b, "steps": STEPS, "overlap": True} for b in plans]
-    cases += [{"blocks": b, "steps": STEPS, "ckpt": "full"} for b in plans]
+    cases += [{"blocks": b, "steps": STEPS, "overlap": True} for b in overlap]
+    cases += [{"blocks": b, "steps": STEPS, "ckpt": "full"} for b in ckpt]
     cases += [
         {"blocks": (2, 4, 4), "embed_head": (1, 1, 2), "steps": STEPS},
         {"blocks": (1, 2, 4), "embed_head": (4, 4, 4), "steps": 8, "overlap": True, "ckpt": "selective"},

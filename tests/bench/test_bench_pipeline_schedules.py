@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -19,6 +21,9 @@ def test_small_run_reports_both_schedules_with_equal_losses(tmp_path):
     assert float(rows["zero_bubble"][3]) > 0 and float(rows["zero_bubble"][-2]) <= 1e-5, rows
 
 
+# Slow (the suite's time budget): the default run keeps the script's small run
+# (test_small_run_reports_both_schedules_with_equal_losses).
+@pytest.mark.slow
 def test_recheck_mode_tabulates_the_planners_prediction_against_the_run(tmp_path):
     md = tmp_path / "r.md"
     proc = subprocess.run([sys.executable, "scripts/bench/bench_pipeline_schedules.py", "--recheck", "2", "--schedules",

@@ -32,9 +32,23 @@ def _sources() -> list:
         for s in WGRAD_SOURCES]
 
 
+# Two depths: to PTX (the front end parses the whole file, host code included, and compiles every kernel
+# for the device: about 15 s on two cores) in the default run, and the full object (host compiler and
+# ptxas at -O3 as well: about a minute) with `pytest -m slow`.
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
+@pytest.mark.parametrize("source", _sources())
+def test_cuda_kernels_compile_to_ptx(tmp_path, source):
+    _compile(tmp_path, source, ["-ptx"], "ptx")
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
 @pytest.mark.parametrize("source", _sources())
 def test_cuda_kernels_compile_with_nvcc(tmp_path, source):
+    _compile(tmp_path, source, ["-c"], "o")
+
+
+def _compile(tmp_path, source: str, mode: list[str], suffix: str) -> None:
     includes = cpp_extension.include_paths() + (cublas_include_dirs() if source in WGRAD_SOURCES else [])
     # The CPU wheel ships the c10/cuda headers but not the one its CMake generates for CUDA builds;
     # supply it (it only declares that c10_cuda is a shared library) when it is missing.
@@ -43,11 +57,12 @@ def test_cuda_kernels_compile_with_nvcc(tmp_path, source):
         shim.parent.mkdir(parents=True)
         shim.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
         includes = [str(tmp_path / "shim"), *includes]
-    cmd = [_nvcc(), "-c", str(CSRC_DIR / source), "-o", str(tmp_path / f"{source}.o"),
+    out = tmp_path / f"{source}.{suffix}"
+    cmd = [_nvcc(), *mode, str(CSRC_DIR / source), "-o", str(out),
            f"-arch={ARCH}", "-std=c++20", "-Xcompiler", "-fPIC", "-DTORCH_EXTENSION_NAME=amsp_csrc_cuda",
            f"-I{sysconfig.get_paths()['include']}", *cpp_extension.COMMON_NVCC_FLAGS, *CUDA_FLAGS,
            *(f"-I{p}" for p in includes)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     errors = [line for line in proc.stderr.splitlines() if "error" in line]
     assert proc.returncode == 0, f"nvcc failed on {source}:\n" + "\n".join(errors[:20] or [proc.stderr[-3000:]])
-    assert (tmp_path / f"{source}.o").stat().st_size > 0
+    assert out.stat().st_size > 0

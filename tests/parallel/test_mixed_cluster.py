@@ -131,6 +131,9 @@ ARGS = ["trainer.max_steps=3", "trainer.checkpoint_interval=0", "parallel.auto=t
         "amsp.ranks_per_node=2", "amsp.planner.probe_budget_s=1"]
 
 
+# Slow (the suite's time budget): the file checks themselves run in the default run
+# (test_config_check_names_a_cluster_file_problem and above).
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_bad_input_on_rank_0_of_the_joint_startup_stops_every_rank_with_its_message(tmp_path):
     """Rank 0 decides the joint plan; an input error there (a cluster file that is not this launch, no plan

@@ -409,6 +409,9 @@ def test_tp_dp_equals_single_process(tmp_path):
                 assert r["param_err"] <= 1e-5, r
 
 
+# Slow (the suite's time budget): the default run keeps tensor parallelism's equality
+# (test_tp_dp_equals_single_process).
+@pytest.mark.slow
 def test_tp_without_sequence_parallelism_trains_a_sequence_tp_does_not_divide(tmp_path):
     """parallel.tp=2 with sequence and loss parallelism off at data.seq_len=63 (torchrun, 2 ranks): the startup
     planner timed no tp for a sequence tp does not divide, as if sequence parallelism split it, and stopped

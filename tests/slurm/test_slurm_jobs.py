@@ -85,6 +85,10 @@ def test_pretrain_sbatch_trains_and_checkpoints_then_the_srun_variant_resumes_it
     assert latest_checkpoint(run_dir) == "step_00000006"
 
 
+# Slow (the suite's time budget): the requeue path also runs in
+# test_time_limit_signal_requeues_with_a_checkpoint (slow); the default run keeps the sbatch train-and-resume
+# job.
+@pytest.mark.slow
 def test_usr1_before_time_limit_requeues_and_resumes_then_usr1_to_steps_stops(local_slurm, tmp_path):
     job_name = "preempt"
     job = local_slurm.sbatch("pretrain.sbatch", *TINY, "trainer.max_steps=100000", "trainer.checkpoint_interval=0",

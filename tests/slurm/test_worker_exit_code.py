@@ -65,6 +65,9 @@ if os.environ.get("RANK") == "0":
 """
 
 
+# Slow (the suite's time budget): the default run keeps the code order and the recording (the two tests
+# above).
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_bug_in_the_step_reaches_torchruns_summary_and_the_job_scripts_code(tmp_path):
     """A bug inside the training loop ends the rank through os._exit (amsp.resilience: a normal exit can block

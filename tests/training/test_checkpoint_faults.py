@@ -345,6 +345,9 @@ def test_damage_error_is_one_line_naming_the_file(two):
 
 
 # ---- end to end (train.py): the one line and the exit code ----
+# Slow (the suite's time budget): the fallback past a damaged shard runs in the default run in-process
+# (test_bit_flip_in_a_shard_falls_back).
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_train_resume_falls_back_past_a_bit_flip(tmp_path):
     from tests.training.runs import train

@@ -42,6 +42,10 @@ def test_rerun_of_a_finished_run_resumes_instead_of_starting_over(straight, tmp_
     assert "resumed from checkpoint" in proc.stdout and "at step 3" in proc.stdout
 
 
+# Slow (the suite's time budget): the default run keeps the bitwise resume
+# (test_resume_same_plan_is_bitwise_identical) and the overlapped update's equality
+# (tests/amsp/test_amsp_engine.py).
+@pytest.mark.slow
 def test_overlapped_update_run_and_its_resume_are_bitwise_identical(straight, tmp_path):
     """amsp.overlap_update defers each unit's update to its next forward: the checkpoint written at step 10
     must hold the updated masters (the save completes the pending updates) and the losses stay the same."""

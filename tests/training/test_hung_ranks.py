@@ -184,6 +184,9 @@ def test_real_kill9_zero3_4_ranks(tmp_path):
         ranks.kill_all()
 
 
+# Slow (the suite's time budget): the default run keeps a stopped and a dead rank (test_sigstop_zero3_4_ranks,
+# test_die_ddp_4_ranks).
+@pytest.mark.slow
 def test_clock_skew_live_rank_not_blamed_stopped_rank_named(tmp_path):
     """Rank 1 publishes a wall clock an hour ahead (alive: never blamed); rank 3 stops and is named."""
     _stop_case(tmp_path, 4, "zero3", 3, 3, "debug.clock_skew_rank=1", "debug.clock_skew_s=3600")

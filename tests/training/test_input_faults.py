@@ -101,6 +101,9 @@ def test_resume_refuses_a_changed_seq_len_or_vocab_and_allows_it_when_told(tmp_p
     assert rows(run / "validation.jsonl") == [2, 4, 6]
 
 
+# Slow (the suite's time budget): the default run keeps the seq_len/vocab refusal, which goes through the same
+# identity check.
+@pytest.mark.slow
 def test_resume_refuses_another_tokenizer_or_data_and_allows_data_when_told(tmp_path, corpus):
     run = tmp_path / "tok"
     data_a = [f"data.prefix={corpus['ds_a']}", f"data.tokenizer={corpus['tok_a']}"]

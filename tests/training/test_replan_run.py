@@ -59,6 +59,9 @@ def test_named_plan_is_only_reported(tmp_path):
     assert not record["links_probed_at_recheck"], "a named plan is only reported on: nothing to re-measure"
 
 
+# Slow (the suite's time budget): the default run keeps the re-planning switch itself
+# (test_wrong_prior_switches_plan_with_the_same_losses).
+@pytest.mark.slow
 def test_recheck_times_the_links_the_startup_did_not(tmp_path):
     """probe=false at startup: the recheck measures the links (every rank takes part: the run goes on
     and ends) and refits from them; with recheck_probe=false it refits from the step time alone."""
@@ -89,6 +92,9 @@ def test_switch_at_an_async_periodic_checkpoint_keeps_every_rank_together(tmp_pa
     assert f"switching from {record['from']} to {record['to']} at step 5" in proc.stdout
 
 
+# Slow (the suite's time budget): the default run keeps the re-planning switch itself
+# (test_wrong_prior_switches_plan_with_the_same_losses).
+@pytest.mark.slow
 def test_a_cached_compute_profile_the_run_contradicts_is_removed(tmp_path, monkeypatch):
     """A compute profile cached while the machine was busy (here: the cached times made 10x longer) is
     found out by the recheck and removed; the run goes on, and the next startup measures afresh."""
@@ -113,6 +119,9 @@ def test_a_cached_compute_profile_the_run_contradicts_is_removed(tmp_path, monke
     assert "compute profile (" in proc.stdout and path.exists()  # measured afresh, and cached again
 
 
+# Slow (the suite's time budget): the default run keeps the re-planning switch itself
+# (test_wrong_prior_switches_plan_with_the_same_losses).
+@pytest.mark.slow
 def test_a_cached_link_measurement_the_run_contradicts_is_removed(tmp_path, monkeypatch):
     """The same for the collective probe's cache: links cached 100x faster than they are are found out by
     the recheck's communication refit and the file is removed, so the next startup probes again."""

@@ -88,6 +88,9 @@ def _step_files(run):
     return sorted(p.name for p in (run / "checkpoints").glob("step_*"))
 
 
+# Slow (the suite's time budget): resume refusals stay covered in the default run by test_input_faults'
+# seq_len/vocab case.
+@pytest.mark.slow
 def test_refused_resumes_leave_the_run_directory_and_fresh_starts_keep_old_logs(tmp_path):
     run = tmp_path / "runs" / "r"
     train(run, "trainer.max_steps=2")
