@@ -256,3 +256,25 @@ def test_the_recheck_removes_every_cache_file_a_contradicted_profile_came_from(t
     assert all(f.exists() for f in files)
     removed, probe = _forget_stale_caches(opts, cluster, SimpleNamespace(compute_scale=0.2, comm_scale=1.0))
     assert removed == f"{files[0]}, {files[1]}" and probe is None and not any(f.exists() for f in files)
+
+
+def test_a_compiled_backward_timed_below_its_forward_is_retimed_then_priced(monkeypatch, caplog):
+    """Under load the forward's median came out above the forward + backward one, and the compiled
+    block's backward was priced at 0 s."""
+    import amsp.planner.compute_profile as cp
+
+    calls = []
+
+    def noisy(fn, device, repeats):  # forward 10 ms, forward + backward 9 ms: every try
+        calls.append(fn)
+        return 0.010 if len(calls) % 2 else 0.009
+
+    monkeypatch.setattr(cp, "median_time", noisy)
+    with caplog.at_level("WARNING", logger=cp.__name__):
+        fwd, bwd = cp._compiled_block_times(None, None, None, None, None, "cpu", 3)
+    assert (fwd, bwd) == (0.010, 0.020) and len(calls) == 2 * cp.BACKWARD_ATTEMPTS
+    assert "priced at twice the forward" in caplog.text
+    calls.clear()
+    plausible = iter([0.010, 0.009, 0.010, 0.031])  # noise on the first try only
+    monkeypatch.setattr(cp, "median_time", lambda fn, device, repeats: next(plausible))
+    assert cp._compiled_block_times(None, None, None, None, None, "cpu", 3) == (0.010, 0.031 - 0.010)
