@@ -351,6 +351,8 @@ def run(cfg: DictConfig) -> None:
     else:  # the plan the recheck switched to before this resume, and the startup's choice it replaces
         log_switch(wandb_run, engine.plan, planned.plan, cfg.amsp.plan, switched[2], switched[1])
     metrics = make_metrics(cfg, denv, run_dir, device, dtype, tokens_per_step, fpt, wandb_run)
+    if latest is not None:  # elapsed_s continues from the checkpoint's instead of restarting at 0
+        metrics.restore_checkpoint_state(meta, latest)
     if latest is not None and denv.is_main:  # rows of steps this run logs again would appear twice
         metrics.drop_after(start_step)
         drop_rows_after(run_dir / "validation.jsonl", start_step)
@@ -367,7 +369,8 @@ def run(cfg: DictConfig) -> None:
         meta = {"consumed_samples": train_loader.state_dict()["consumed_samples"], "skipped_steps": skips.total,
                 "consecutive_skips": skips.consecutive,  # pruning keeps the checkpoint before a run of skips
                 "wandb_run_id": wandb_run.run_id, "plan": str(engine.plan), "world_size": denv.world_size,
-                "tp": 1 if mesh is None else mesh.tp, "pp": 1 if mesh is None else mesh.pp, **identity}
+                "tp": 1 if mesh is None else mesh.tp, "pp": 1 if mesh is None else mesh.pp, **identity,
+                **metrics.checkpoint_state()}
         save_training_state(ckpt, engine, step, meta, resolved, final=final)
 
     def validate(step: int) -> None:

@@ -23,6 +23,10 @@ Field meanings (times are means per step over the interval, in seconds):
   previous log step (the peaks are reset after each reading), memory_current_bytes is allocated
   now. cpu_rss: memory_current_bytes is the resident set size now, memory_peak_bytes the peak RSS
   since the previous log step (VmHWM, reset after each reading), memory_reserved_peak_bytes is null.
+- elapsed_s: wall time since the metrics logger started (after the run's setup), continued across
+  resumes: each checkpoint stores the elapsed time at its step (checkpoint_state) and a resumed run
+  starts from that value (restore_checkpoint_state). The time between that checkpoint and the crash
+  or stop (steps trained again after the resume), and each restart's setup, are not counted.
 - rank_busy_*, slowest_rank: spread of the per-rank mean busy times (data wait + forward/backward
   + optimizer minus the engine's exposed communication wait: what a rank does on its own; wall step
   times are equal across ranks because collectives make everyone wait for the slowest),
@@ -49,6 +53,8 @@ log = logging.getLogger("metrics")
 
 # Keys of the per-step communication dict the engine passes to record_step.
 COMM_KEYS = ("bytes_intra_node", "bytes_inter_node", "exposed_s")
+# The checkpoint's meta.json key holding the run's elapsed wall time at the checkpoint's step.
+ELAPSED_KEY = "elapsed_s"
 
 
 class MetricsSink(Protocol):
@@ -142,6 +148,7 @@ class MetricsLogger:
         self.path = pathlib.Path(run_dir) / filename
         self._clock = clock
         self._t_start = clock()
+        self._elapsed_before = 0.0  # elapsed_s at the checkpoint this run resumed from (restore_checkpoint_state)
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -150,6 +157,33 @@ class MetricsLogger:
         self._phase_sums = dict.fromkeys((*PHASES, "step"), 0.0)
         self._comm_sums = dict.fromkeys(COMM_KEYS, 0.0)
         self._comm_steps = 0
+
+    def elapsed_s(self) -> float:
+        """Wall time of the run so far: this process's time since the logger started, plus the elapsed time
+        stored in the checkpoint it resumed from."""
+        return self._elapsed_before + self._clock() - self._t_start
+
+    def checkpoint_state(self) -> dict[str, float]:
+        """What a checkpoint stores for the metrics (meta.json): the elapsed time at its step."""
+        return {ELAPSED_KEY: self.elapsed_s()}
+
+    def restore_checkpoint_state(self, meta: dict[str, Any], checkpoint: str | pathlib.Path) -> None:
+        """On resume: continue elapsed_s from the value the checkpoint (its meta.json, `meta`) stored, so the
+        dashboards' wall clock does not restart at 0 with each resume. A checkpoint written before the value
+        was stored resumes from 0, saying so, and so does one whose value is not a time (a metric: the
+        training state it sits beside is still good)."""
+        if ELAPSED_KEY not in meta:
+            if self.rank == 0:
+                log.info("checkpoint %s holds no %s (written before it was recorded): elapsed_s restarts at 0",
+                         checkpoint, ELAPSED_KEY)
+            return
+        value = meta[ELAPSED_KEY]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            if self.rank == 0:
+                log.warning("checkpoint %s: meta.json %s=%r is not a finite number of seconds >= 0: elapsed_s "
+                            "restarts at 0", checkpoint, ELAPSED_KEY, value)
+            return
+        self._elapsed_before = float(value)
 
     def drop_after(self, step: int) -> int:
         """On resume from step `step`: drop metrics.jsonl rows after it (rank 0 owns the file)."""
@@ -234,7 +268,7 @@ class MetricsLogger:
             "step_time_max_rank_s": max(r[0] for r in per_rank),
             **straggler_summary([r[1] for r in per_rank]),
             "skipped_steps": skipped, "world_size": self.world_size,
-            "elapsed_s": now - self._t_start,
+            "elapsed_s": self._elapsed_before + now - self._t_start,
             "eta_s": (self.total_steps - step) * wall / n,
             "time": time.time(),
         }

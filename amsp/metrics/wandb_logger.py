@@ -4,6 +4,15 @@
 uploaded later with `wandb sync`. The run id is exposed (`run_id`) so a checkpoint can store it;
 passing it back as `resume_id` continues the same wandb run after a restart.
 
+Steps: metrics are plotted over `train/step` (STEP_METRIC, the trainer's step, in every row), not over
+wandb's own `_step`. wandb drops (with a console warning, silent under WANDB_SILENT) a row logged at a
+`_step` below the run's current one, and a resumed online run continues after the server's last `_step`:
+a run killed after logging steps past its last checkpoint, resumed from that checkpoint, logs those steps
+again, and with `log(step=step)` wandb dropped them. Logged with the trainer step as a metric (wandb's
+`_step` then only counts rows), every row is kept; the steps between the checkpoint and the kill appear
+twice on the step axis (the killed run's rows and the resumed run's, the same values when the resume is
+deterministic).
+
 Secrets: wandb reads WANDB_API_KEY from the environment itself; this module never reads, logs or
 stores environment variables, and strips any secret-looking key (and any value equal to the API
 key) from the config before handing it to wandb, so the saved run config cannot hold a key.
@@ -19,6 +28,9 @@ from typing import Any, Sequence
 log = logging.getLogger(__name__)
 
 MODES = ("online", "offline", "disabled")
+STEP_METRIC = "train/step"
+# Sections plotted over STEP_METRIC (keys without a section go under train/: log_metrics).
+_STEP_SECTIONS = ("train/*", "val/*")
 _SECRET_KEY = re.compile(r"(api_?key|secret|password|passwd|credential|(^|_)token$)", re.IGNORECASE)
 
 
@@ -64,6 +76,10 @@ class WandbLogger:
             raise InputError(f"wandb could not start the run in {mode} mode ({type(e).__name__}: {first}); log in "
                              f"(`wandb login` or WANDB_API_KEY), or set logging.wandb.mode=offline (sync later "
                              f"with `wandb sync`) or logging.wandb.mode=disabled") from None
+        # On every start, a resumed one too (a run killed before its first log may not have them).
+        self._run.define_metric(STEP_METRIC)
+        for section in _STEP_SECTIONS:
+            self._run.define_metric(section, step_metric=STEP_METRIC)
         log.info("wandb %s run %s (%s) in %s", mode, self._run.id, "resumed" if resume_id else "new",
                  self._run.dir if mode == "offline" else self._run.url)
 
@@ -86,13 +102,19 @@ class WandbLogger:
                                 allow_val_change=True)
 
     def log_metrics(self, record: dict[str, Any], step: int) -> None:
-        """Numbers of `record` at `step`; plain keys go under train/ so panels group together,
-        keys that already name a section ("val/loss") are kept as they are. None is dropped."""
+        """Numbers of `record` at trainer step `step` (logged as STEP_METRIC, the axis they are plotted
+        over); plain keys go under train/ so panels group together, keys that already name a section
+        ("val/loss") are kept as they are. None is dropped."""
+        if isinstance(step, bool) or not isinstance(step, int):  # checked disabled too: a caller's bug
+            raise TypeError(f"log_metrics: step must be the trainer step (an int), got {step!r}")
         if self._run is None:
             return
         data = {(k if "/" in k else f"train/{k}"): v for k, v in record.items()
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
-        self._run.log(data, step=step)
+        data[STEP_METRIC] = step
+        # No step=: wandb's own _step only counts rows, so a step logged again after a resume is kept
+        # (module docstring).
+        self._run.log(data)
 
     def log_table(self, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
         """Log a table (e.g. the planner's ranked plans) under `name`."""

@@ -66,6 +66,8 @@ class OfflineRun:
     config: dict = field(default_factory=dict)
     history: list = field(default_factory=list)  # one dict per logged step
     tables: dict = field(default_factory=dict)  # name -> {"columns": [...], "data": [[...], ...]}
+    # define_metric's x axes: metric name or glob ("train/*") -> its step metric ("train/step")
+    step_metrics: dict = field(default_factory=dict)
     finished: bool = False  # the exit record is there: wandb wrote everything
 
     def table(self, name: str) -> dict:
@@ -123,6 +125,8 @@ def _read_once(directory: pathlib.Path) -> OfflineRun:
             for item in record.history.item:
                 _set(row, item)
             run.history.append(row)
+        elif kind == "metric" and record.metric.step_metric:
+            run.step_metrics[record.metric.name or record.metric.glob_name] = record.metric.step_metric
         elif kind == "exit":
             run.finished = True
     for row in run.history:
