@@ -32,6 +32,7 @@ def joint_plan_for_run(cfg: DictConfig, denv, device, run_dir: pathlib.Path | No
     from configs.schema import to_llama_config
 
     from ..planner.from_config import planner_config, refuse_state_budget_for_joint
+    from ..planner.joint.search import tp_candidates
     from ..planner.startup import probe_for_run, ranks_per_node
     from .mixed_cluster import devices_of_ranks, mixed_cluster_for_run
 
@@ -39,6 +40,12 @@ def joint_plan_for_run(cfg: DictConfig, denv, device, run_dir: pathlib.Path | No
     refuse_state_budget_for_joint(p)  # before any collective: every rank raises alike
     model = to_llama_config(cfg.model)
     r = ranks_per_node(cfg, denv.local_world_size)
+    layout = run_layout(cfg, model, denv.world_size, r)  # before any collective too
+    # the tp degrees the search prices are timed, no other: a fixed layout's, else the candidates under the
+    # run's sequence and loss parallelism (a tied model without loss parallelism cannot run tp > 1)
+    modes = tp_modes(cfg)
+    tps = [layout[0]] if layout is not None else \
+        tp_candidates(model, r, int(cfg.data.seq_len), modes["sequence_parallel"], modes["loss_parallel"])
     mixed = None
     if cfg.parallel.cluster_file:  # checked against the launch before anything is measured
         devices = devices_of_ranks(device)  # collective
@@ -54,10 +61,24 @@ def joint_plan_for_run(cfg: DictConfig, denv, device, run_dir: pathlib.Path | No
     for m in sorted({1, int(cfg.trainer.micro_batch_size)}) if p.measure_compute else ():
         at = OmegaConf.merge(cfg, {"trainer": {"micro_batch_size": m}})
         profiles.update({(g, m): v for g, v in measured_profiles(at, denv, device, groups).items()})  # collective
-        tp_times.update({(g, tp, m): v for (g, tp), v in measured_tp_units(at, model, denv, device, groups).items()})
+        tp_times.update({(g, tp, m): v for (g, tp), v in measured_tp_units(at, model, denv, device, groups,
+                                                                            tps).items()})
     plan, table = control.decided_by_rank0(
-        lambda: _plan(cfg, denv, device, run_dir, mixed, r, points, profiles, tp_times), denv.rank)
+        lambda: _plan(cfg, denv, device, run_dir, mixed, r, points, profiles, tp_times, layout), denv.rank)
     return with_joint_plan(cfg, plan), plan, table
+
+
+def run_layout(cfg: DictConfig, model, world: int, ranks_per_node: int) -> tuple[int, int] | None:
+    """The (tp, pp) amsp.planner.tp / pp fix for the joint search, as `python -m amsp.planner --joint` reads
+    them (joint.search.fixed_layout), or None (their default 1 x 1: every layout searched); a layout the
+    search cannot take is an InputError naming them."""
+    from ..planner.from_config import planner_config
+    from ..planner.joint.search import fixed_layout
+
+    p = planner_config(cfg)
+    modes = tp_modes(cfg)
+    return fixed_layout(int(p.tp), int(p.pp), model, world, ranks_per_node, int(cfg.data.seq_len),
+                        modes["sequence_parallel"], modes["loss_parallel"])
 
 
 def with_joint_plan(cfg: DictConfig, plan) -> DictConfig:
@@ -74,7 +95,8 @@ def with_joint_plan(cfg: DictConfig, plan) -> DictConfig:
     })
 
 
-def _plan(cfg, denv, device, run_dir, mixed, r, points, profiles: dict, tp_times: dict):
+def _plan(cfg, denv, device, run_dir, mixed, r, points, profiles: dict, tp_times: dict,
+          layout: tuple[int, int] | None = None):
     """Rank 0: the joint plan on the run's cluster priced with what was measured, and its table (logged;
     saved when run_dir is given)."""
     import dataclasses
@@ -111,7 +133,8 @@ def _plan(cfg, denv, device, run_dir, mixed, r, points, profiles: dict, tp_times
                        unit_times=jc.unit_times, overlap_spread=bool(cfg.amsp.overlap_spread),
                        spread_window=int(cfg.amsp.spread_window), optimizer_s_per_elem=jc.optimizer_s_per_elem or None,
                        kernels=kernels, sequence_parallel=bool(cfg.parallel.sequence_parallel),
-                       overlap_update=bool(cfg.amsp.overlap_update), optimizer_kernel=str(cfg.amsp.optimizer_kernel))
+                       overlap_update=bool(cfg.amsp.overlap_update), optimizer_kernel=str(cfg.amsp.optimizer_kernel),
+                       loss_parallel=bool(cfg.parallel.loss_parallel), layout=layout)
     margin = describe_margin(p.memory_margin, cluster.groups[0].spec.device)
     text = (f"joint planner (compute: {'; '.join(sources)}; {kernels.describe()}; {margin})\n"
             + format_joint(plans, cluster))

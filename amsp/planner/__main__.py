@@ -252,7 +252,7 @@ def _run_joint(cfg, args) -> int:
     from configs.schema import to_llama_config
 
     from .joint.hetero import from_spec, load_hetero, read_efficiency_file
-    from .joint.search import format_joint, plan_joint
+    from .joint.search import FIXED_LAYOUT_KEYS, fixed_layout, format_joint, plan_joint
     from .joint_inputs import joint_compute
     from .workload import default_kernels
 
@@ -261,6 +261,15 @@ def _run_joint(cfg, args) -> int:
     refuse_state_budget_for_joint(p)
     model = to_llama_config(cfg.model)
     seq, mbs = int(cfg.data.seq_len), int(cfg.trainer.micro_batch_size)
+    sp, lp = bool(cfg.parallel.sequence_parallel), bool(cfg.parallel.loss_parallel)
+    # amsp.planner.tp / pp fix the searched tp x pp, as at train.py's parallel.auto startup; at 1 x 1 (their
+    # default, which train.py cannot tell from one given) they leave both to the search: named so, refused
+    given = overridden(args.overrides, FIXED_LAYOUT_KEYS)
+    if given and (p.tp, p.pp) == (1, 1):
+        raise InputError(f"{' and '.join(given)}: with --joint, amsp.planner.tp / amsp.planner.pp fix the searched "
+                         f"layout only other than tp 1 x pp 1, their default, under which every tp and pp is "
+                         f"searched (as with parallel.auto=true); drop them, or price tp 1 x pp 1 without --joint")
+    layout = fixed_layout(p.tp, p.pp, model, cluster.world, cluster.ranks_per_node, seq, sp, lp)
     tokens = OmegaConf.select(cfg, "trainer.global_batch_tokens")
     global_batch = int(tokens) // seq if tokens else int(cfg.trainer.global_batch_size)
     prec = run_precision(cfg, cluster.groups[0].spec)  # gradients in amsp.grad_comm, as the engine
@@ -285,16 +294,16 @@ def _run_joint(cfg, args) -> int:
     kernels = default_kernels(to_llama_config(cfg.model))  # what plan_joint assumes without a device
     inputs = {"cluster": cluster.describe(), "model": cfg.model.name, "seq_len": seq, "global_batch": global_batch,
               "efficiency": eff, "compute": jc.sources, "precision": precision_name(cfg, cluster.groups[0].spec),
-              "grad_bytes": prec.grad_bytes, "kernels": kernels_json(kernels)}
+              "grad_bytes": prec.grad_bytes, "kernels": kernels_json(kernels), "sequence_parallel": sp,
+              "loss_parallel": lp, "fixed_layout": None if layout is None else {"tp": layout[0], "pp": layout[1]}}
     with json_error(args.json, lambda: inputs):
         plans = plan_joint(model, cluster, seq_len=seq, global_batch=global_batch, precision=prec,
                            efficiency=eff, top_k=p.top_k, memory_margin=p.memory_margin,
                            reserved_bytes=p.reserved_gib * 2**30, overlap_slowdown=p.overlap_slowdown, progress=log,
                            unit_times=jc.unit_times, optimizer_s_per_elem=jc.optimizer_s_per_elem or None,
                            overlap_spread=bool(cfg.amsp.overlap_spread), spread_window=int(cfg.amsp.spread_window),
-                           sequence_parallel=bool(cfg.parallel.sequence_parallel),
-                           overlap_update=bool(cfg.amsp.overlap_update),
-                           optimizer_kernel=str(cfg.amsp.optimizer_kernel))
+                           sequence_parallel=sp, overlap_update=bool(cfg.amsp.overlap_update),
+                           optimizer_kernel=str(cfg.amsp.optimizer_kernel), loss_parallel=lp, layout=layout)
     if args.json:
         print(json.dumps({"choice": plans[0].to_json(), "alternatives": [x.to_json() for x in plans[1:]],
                           "inputs": inputs}))

@@ -98,6 +98,7 @@ def workload_from_config(cfg: DictConfig, cluster: ClusterSpec, kernels: Kernels
                     precision=run_precision(cfg, cluster),
                     recompute=model.activation_checkpointing, tp=p.tp, pp=p.pp, kernels=kernels,
                     sequence_parallel=bool(OmegaConf.select(cfg, "parallel.sequence_parallel", default=True)),
+                    loss_parallel=bool(OmegaConf.select(cfg, "parallel.loss_parallel", default=True)),
                     **pipeline_schedule(cfg, p.pp))
 
 

@@ -4,6 +4,7 @@ with the term that decides it (report.why): the largest exposed communication, o
 faster plan does not fit."""
 from __future__ import annotations
 
+from amsp.parallel.micro_batches import micro_batch_problem
 from amsp.plan import PRESET_NAMES, PlanError, make_plan
 
 from .cluster import ClusterSpec
@@ -19,7 +20,10 @@ def simulate(workload_at, cluster: ClusterSpec, options: Options, gpus=DEFAULT_G
     """Rows {gpus, global_batch, plan, degrees, step_s, tokens_per_s_per_gpu, mfu, memory_gib, fits, note}.
 
     workload_at(world) -> Workload gives the workload at a world size (micro-batches follow the
-    fixed global batch), or raises ValueError when the batch does not divide."""
+    fixed global batch), or raises ValueError when the batch does not divide. With a pipeline (pp > 1) a
+    count whose micro-batches per step the schedule refuses (fewer than pp for all but GPipe: train.py stops
+    there before building anything, amsp/parallel/micro_batches.py) is one row saying so; GPipe, which runs
+    them, gets its rows with a `warning`: the pipeline never fills."""
     rows = []
     r = cluster.ranks_per_node
     for n in gpus:
@@ -35,6 +39,13 @@ def simulate(workload_at, cluster: ClusterSpec, options: Options, gpus=DEFAULT_G
             continue
         model = CostModel(w, spec, options)
         base["global_batch"] = w.micro_batch_size * w.micro_batches * model.dp_world  # as rounded for this count
+        if w.pp > 1 and (problem := micro_batch_problem(w.schedule, w.micro_batches, w.pp)) is not None:
+            rows.append({**base, "plan": "-", "note": f"train.py refuses this: {problem}"})
+            continue
+        if w.pp > 1 and w.micro_batches < w.pp:  # a schedule that runs it anyway (GPipe)
+            base["warning"] = (f"{w.micro_batches} micro-batch(es) per step < parallel.pp={w.pp} stages: the "
+                               f"pipeline never fills; its bubble, (pp-1)/m, is {w.pipeline_bubble():.0%} of the "
+                               f"compute time; raise trainer.global_batch_size or lower trainer.micro_batch_size")
         presets = []
         for name in PRESET_NAMES:
             try:
@@ -74,6 +85,8 @@ def format_simulation(rows: list[dict]) -> str:
     for r in rows:
         if last is not None and r["gpus"] != last:
             lines.append("")
+        if r["gpus"] != last and r.get("warning"):  # once per GPU count, above its rows
+            lines.append(f"{r['gpus']:>5} warning: {r['warning']}")
         last = r["gpus"]
         if "step_s" not in r:
             lines.append(f"{r['gpus']:>5} {r['plan']:<6} {'':<30} {'':>8} {'':>10} {'':>6} {'':>9}  {r['note']}")

@@ -103,6 +103,9 @@ class Workload:
     kernels: Kernels | None = None
     # the residual stream is split over the TP group between blocks (parallel.sequence_parallel)
     sequence_parallel: bool = True
+    # the cross-entropy runs on vocabulary-sharded logits under tp > 1 (parallel.loss_parallel); off, the
+    # head all-gathers the full logits on every TP rank and the plain cross-entropy runs on them
+    loss_parallel: bool = True
     # one stage of a pipeline priced on its own (the joint planner's per-stage workloads have pp = 1):
     # its loss runs in the pipeline's loss function and its blocks are not compiled, as with pp > 1
     pipeline_stage: bool = False
@@ -138,6 +141,13 @@ class Workload:
         if self.tp > 1 or self.pipelined:
             return False
         return "linear_cross_entropy" in self.run_kernels.fused
+
+    @property
+    def loss_vocab(self) -> float:
+        """Vocabulary entries of the logits one rank's loss holds per token: its 1/tp shard under
+        loss_parallel, the whole vocabulary without tensor parallelism or with loss_parallel off (the head's
+        output all-gathered on every TP rank, amsp.parallel.tensor_parallel)."""
+        return self.model.vocab_size / self.tp if self.tp > 1 and self.loss_parallel else self.model.vocab_size
 
     @property
     def stream_fraction(self) -> float:
@@ -293,8 +303,9 @@ class Workload:
                     + self.head_forward_only_bytes())
         # beside the cross-entropy's saved log-softmax, the logits only where the pipeline's schedule
         # holds them as the stage's output (in the model, lm_loss under loss_parallel, they are freed:
-        # a tp 2 trace's head kept one local fp32 logits tensor, 34 MiB, where two had been priced)
-        logits_kept = m.vocab_size * e / self.tp if self.pipelined else 0
+        # a tp 2 trace's head kept one local fp32 logits tensor, 34 MiB, where two had been priced);
+        # with loss_parallel off that output is the all-gathered, full-vocabulary logits
+        logits_kept = self.loss_vocab * e if self.pipelined else 0
         return (self.norm_kept_bytes() + m.dim * e + logits_kept) * t + self.loss_saved_bytes()
 
     def loss_saved_bytes(self) -> float:
@@ -302,10 +313,11 @@ class Workload:
         activations and gone once the loss's backward has run, before the head's weight gradient
         exists: a trace of pp 2's last stage at 2/2/2 peaked as the head's gradient was copied into its
         flat buffer 63 MiB below the head's activations plus its gradient pair (T x V x 4 = 62.5 MiB).
-        The fused head keeps no log-softmax: nothing."""
+        The fused head keeps no log-softmax: nothing. With tp > 1 and loss_parallel off the log-softmax is of
+        the full logits every TP rank gathers (loss_vocab)."""
         if self.head_loss_fused:
             return 0.0
-        return self.tokens_per_micro_batch * self.model.vocab_size / self.tp * 4
+        return self.tokens_per_micro_batch * self.loss_vocab * 4
 
     def head_forward_only_bytes(self) -> float:
         """The fused head's forward working tensors that are gone before its backward: in bf16/fp16 the
@@ -354,10 +366,14 @@ class Workload:
         (under loss_parallel one local logits tensor beyond what the head keeps: its log-softmax holds
         the shifted logits and their exponent) is gone before this one, which is larger, begins: the
         models charge the larger alone (a tp 2 run's head stage measured +94 MiB over its forward's end
-        in the loss, 3.0 local logits; summing both over-predicted it by 31 MiB)."""
+        in the loss, 3.0 local logits; summing both over-predicted it by 31 MiB). With tp > 1 and loss_parallel
+        off the plain cross-entropy runs on the full logits every TP rank gathered: its 2 at the whole
+        vocabulary (its forward, the gathered logits in the compute dtype beside their fp32 copy and
+        log-softmax, is no larger than that beside the saved log-softmax)."""
         if self.head_loss_fused:
             return 0.0
-        return self.tokens_per_micro_batch * self.model.vocab_size / self.tp * 4 * (3 if self.tp > 1 else 2)
+        sharded = self.tp > 1 and self.loss_parallel  # DTensor's loss_parallel
+        return self.tokens_per_micro_batch * self.loss_vocab * 4 * (3 if sharded else 2)
 
     def pipeline_buffer_bytes(self, first: bool = False, last: bool = False, stages: int | None = None) -> float:
         """torch.distributed.pipelining's receive buffers, which a stage allocates once per micro-batch

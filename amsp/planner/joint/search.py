@@ -66,13 +66,53 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def tp_candidates(model: LlamaConfig, ranks_per_node: int, seq_len: int, sequence_parallel: bool = True) -> list[int]:
+def tp_candidates(model: LlamaConfig, ranks_per_node: int, seq_len: int, sequence_parallel: bool = True,
+                  loss_parallel: bool = True) -> list[int]:
     """The tensor-parallel degrees the search considers (ascending, 1 first): they divide the ranks per
     node (TP stays inside a node) and every dimension TP splits (tensor_parallel.check_divisible): the
-    sequence only when sequence parallelism splits it (without it every TP rank holds the whole sequence)."""
+    sequence only when sequence parallelism splits it (without it every TP rank holds the whole sequence).
+    Tied embeddings with loss_parallel off: tp 1 only (parallelize_llama refuses a tied head whose logits
+    would be gathered)."""
+    if model.tie_embeddings and not loss_parallel:
+        return [1]
     dims = (model.n_heads, model.n_kv_heads, model.vocab_size, model.ffn_hidden_dim) + \
         ((seq_len,) if sequence_parallel else ())
     return [t for t in _divisors(ranks_per_node) if all(d % t == 0 for d in dims)]
+
+
+# The settings that fix the joint planner's tp x pp (fixed_layout): the planner CLI's what-if degrees
+FIXED_LAYOUT_KEYS = ("amsp.planner.tp", "amsp.planner.pp")
+
+
+def fixed_layout(tp: int, pp: int, model: LlamaConfig, world: int, ranks_per_node: int, seq_len: int,
+                 sequence_parallel: bool = True, loss_parallel: bool = True) -> tuple[int, int] | None:
+    """The (tp, pp) amsp.planner.tp / amsp.planner.pp fix for the joint planner (the CLI's --joint and
+    train.py's parallel.auto=true read them alike), or None at their default 1 x 1, which leaves both to
+    the search. A layout the search could never choose on this cluster is a one-line InputError naming the
+    setting (what is left to the search, batch and memory, is plan_joint's to explain)."""
+    if (tp, pp) == (1, 1):
+        return None
+    given = f"amsp.planner.tp={tp}, amsp.planner.pp={pp}"
+    tps = tp_candidates(model, ranks_per_node, seq_len, sequence_parallel)
+    if tp not in tps:
+        why = (" (model.tie_embeddings=true with parallel.loss_parallel=false keeps tp 1)"
+               if model.tie_embeddings and not loss_parallel else "")
+        raise InputError(f"{given}: the joint planner cannot run tp={tp} on this cluster{why}; the degrees it can "
+                         f"take divide the {ranks_per_node} GPUs per node and the model's heads, kv heads, "
+                         f"vocabulary and MLP width{' and data.seq_len' if sequence_parallel else ''}: "
+                         f"{', '.join(map(str, tps))}")
+    if tp not in tp_candidates(model, ranks_per_node, seq_len, sequence_parallel, loss_parallel):
+        raise InputError(f"{given}: tp > 1 with model.tie_embeddings=true needs parallel.loss_parallel=true (the "
+                         f"tied head's logits are vocabulary-sharded)")
+    if world % (tp * pp) or pp > model.n_layers:
+        raise InputError(f"{given}: tp x pp must divide the {world} GPUs and pp at most model.n_layers="
+                         f"{model.n_layers}")
+    if pp > 1 and model.tie_embeddings:
+        raise InputError(f"{given}: pp > 1 with model.tie_embeddings=true (the embedding and the head share one "
+                         f"table, which training keeps on one stage)")
+    if problem := stage_layout_problem(world, ranks_per_node, tp, pp):
+        raise InputError(f"{given} on {world} GPUs: {problem}")
+    return tp, pp
 
 
 class _Candidate:
@@ -249,22 +289,30 @@ def plan_joint(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, glob
                unit_times: dict | None = None, progress=None, overlap_spread: bool = False,
                spread_window: int = 2, optimizer_s_per_elem: dict | None = None,
                kernels: Kernels | None = None, sequence_parallel: bool = True,
-               overlap_update: bool = False, optimizer_kernel: str = "auto") -> list[JointPlan]:
+               overlap_update: bool = False, optimizer_kernel: str = "auto", loss_parallel: bool = True,
+               layout: tuple[int, int] | None = None) -> list[JointPlan]:
     """Ranked feasible joint plans (fastest first). InputError when nothing fits, naming what excluded the
     layouts. overlap_spread / spread_window: the engine's (amsp.overlap_spread, amsp.spread_window), for the
-    memory model; kernels / sequence_parallel / optimizer_kernel: what the run executes (Workload.kernels,
-    parallel.sequence_parallel, amsp.optimizer_kernel). Layouts training refuses are never priced: pp > 1
-    with tied embeddings (configs/validate.py), stages that straddle a node part-way (amsp/parallel/mesh.py),
-    fewer micro-batches than stages (amsp/parallel/micro_batches.py); the winner's notes say which were
-    left out."""
+    memory model; kernels / sequence_parallel / optimizer_kernel / loss_parallel: what the run executes
+    (Workload.kernels, parallel.sequence_parallel, amsp.optimizer_kernel, parallel.loss_parallel). layout:
+    the one (tp, pp) to search (fixed_layout: amsp.planner.tp / pp), the rest still chosen. Layouts training
+    refuses are never priced: pp > 1 with tied embeddings (configs/validate.py), stages that straddle a node
+    part-way (amsp/parallel/mesh.py), fewer micro-batches than stages (amsp/parallel/micro_batches.py); the
+    winner's notes say which were left out."""
     t0 = time.perf_counter()
     world, gpn = cluster.world, cluster.ranks_per_node
     eff = check_efficiency(efficiency or {}, cluster)
     plans, shortfall = [], None
-    tps = tp_degrees or tp_candidates(model, gpn, seq_len, sequence_parallel)
+    tps = tp_degrees or tp_candidates(model, gpn, seq_len, sequence_parallel, loss_parallel)
     left_out = _LeftOut()
+    if model.tie_embeddings and not loss_parallel and tp_degrees is None:
+        left_out.add("tied_loss", "tp > 1")
+    if layout is not None:
+        tps = [layout[0]]
+        left_out.add("fixed", f"tp{layout[0]} pp{layout[1]}")
     combos = []
-    for tp, pp in ((tp, pp) for tp in tps for pp in _divisors(world // tp) if pp <= model.n_layers):
+    for tp, pp in ((tp, pp) for tp in tps for pp in _divisors(world // tp)
+                   if pp <= model.n_layers and (layout is None or pp == layout[1])):
         if pp > 1 and model.tie_embeddings:
             left_out.add("tied", f"tp{tp} pp{pp}")
         elif stage_layout_problem(world, gpn, tp, pp):
@@ -283,17 +331,17 @@ def plan_joint(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, glob
             B = global_batch // (dp * mbs)
             s = Setting(model, seq_len, precision, tp, pp, dp, mbs, B, eff, memory_margin, reserved_bytes,
                         overlap_slowdown, unit_times or {}, overlap_spread, spread_window, optimizer_s_per_elem or {},
-                        kernels, sequence_parallel, overlap_update, optimizer_kernel)
+                        kernels, sequence_parallel, overlap_update, optimizer_kernel, loss_parallel)
             cand = _Candidate(s, cluster)
             bounds = cand.split()
             if bounds is None:
                 need = cand.shortfall()
                 shortfall = need if shortfall is None else min(shortfall, need)
-                left_out.add("memory", f"tp{tp} pp{pp} dp{dp} mbs{mbs}")
-                continue
-            res = cand.evaluate(bounds)
+            res = None if bounds is None else cand.evaluate(bounds)
             if res is None:
                 left_out.add("memory", f"tp{tp} pp{pp} dp{dp} mbs{mbs}")
+                if tp > 1 and not loss_parallel:
+                    left_out.add("loss_memory", f"tp{tp} pp{pp} dp{dp} mbs{mbs}")
                 continue
             step, stages, terms = res
             flops = 6 * model.num_params() * global_batch * seq_len + 12 * model.n_layers * model.dim * \
@@ -343,6 +391,16 @@ class _LeftOut:
         if "uneven" in k:
             out["uneven"] = (f"{self._some(k['uneven'], 12)} not considered: a stage that neither fits inside a node "
                              f"nor fills whole nodes has unequal data-parallel ranks per node, which training refuses")
+        if "tied_loss" in k:
+            out["tied_loss"] = ("tp > 1 not considered: model.tie_embeddings=true with parallel.loss_parallel=false "
+                                "(training refuses a tied head whose logits would be gathered)")
+        if "loss_memory" in k:
+            out["loss_memory"] = (f"{self._some(k['loss_memory'])} did not fit with parallel.loss_parallel=false, "
+                                  f"under which every TP rank holds the full-vocabulary logits, their log-softmax and "
+                                  f"gradients (true keeps them vocabulary-sharded)")
+        if "fixed" in k:
+            out["fixed"] = (f"only {k['fixed'][0]} searched: fixed by {' / '.join(FIXED_LAYOUT_KEYS)} (the "
+                            f"split, micro-batch size, recomputation and AMSP degrees chosen)")
         return out
 
     def notes(self) -> list[str]:
@@ -473,7 +531,7 @@ def price_config(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, gl
                  overlap_spread: bool = False, spread_window: int = 2,
                  optimizer_s_per_elem: dict | None = None, kernels: Kernels | None = None,
                  sequence_parallel: bool = True, overlap_update: bool = False,
-                 optimizer_kernel: str = "auto") -> tuple[float, dict] | None:
+                 optimizer_kernel: str = "auto", loss_parallel: bool = True) -> tuple[float, dict] | None:
     """Predicted step seconds and terms of one named configuration (benchmarks compare it with a run),
     or None when it does not fit. layer_split: blocks per stage (None: the DP's split); the terms carry
     the split priced under "layer_split"."""
@@ -485,7 +543,8 @@ def price_config(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, gl
     s = Setting(model, seq_len, precision, tp, pp, dp, micro_batch_size, B,
                 check_efficiency(efficiency or {}, cluster), memory_margin,
                 reserved_bytes, overlap_slowdown, unit_times or {}, overlap_spread, spread_window,
-                optimizer_s_per_elem or {}, kernels, sequence_parallel, overlap_update, optimizer_kernel)
+                optimizer_s_per_elem or {}, kernels, sequence_parallel, overlap_update, optimizer_kernel,
+                loss_parallel)
     cand = _Candidate(s, cluster)
     if layer_split is None:
         bounds = cand.split()

@@ -69,12 +69,16 @@ class Setting:
     # (cost_model.CostModel.update_exposed's rule and UPDATE_HIDDEN_COST, per stage); on CPU it runs inline
     overlap_update: bool = False
     optimizer_kernel: str = "auto"  # amsp.optimizer_kernel: the bytes its AdamW moves (update_cost.py)
+    # parallel.loss_parallel: off, a tp > 1 head all-gathers the full logits on every TP rank (their
+    # memory, Workload.loss_vocab, and the gather's time)
+    loss_parallel: bool = True
 
     def workload(self, recompute: str = "none") -> Workload:
         # pp = 1: a stage's own layers, priced as one stage of the pipeline when pp > 1
         return Workload(self.model, self.seq_len, self.micro_batch_size, self.micro_batches, self.precision,
                         recompute=recompute, tp=self.tp, pp=1, kernels=self.kernels,
-                        sequence_parallel=self.sequence_parallel, pipeline_stage=self.pp > 1)
+                        sequence_parallel=self.sequence_parallel, pipeline_stage=self.pp > 1,
+                        loss_parallel=self.loss_parallel)
 
 
 def _adjacent_pairs(sizes: list) -> list:
@@ -108,7 +112,13 @@ def unit_costs(s: Setting, g: NodeGroup) -> UnitCosts:
     f = w.block_forward_flops() / rate
     block = 3 * f + 4 * one  # forward + backward (2x), 2 AG + 2 RS each way
     block_full = block + f + 2 * one  # the forward again before the backward
-    head = 3 * w.head_forward_flops() / rate + one
+    # without loss_parallel the head's output is all-gathered to the full logits on every TP rank (its
+    # backward only slices the gradient); measured units above were timed that way (tp_profile)
+    gather = 0.0
+    if tp > 1 and not s.loss_parallel:
+        logits = s.micro_batch_size * s.seq_len * s.model.vocab_size * s.precision.param_bytes
+        gather = collective_seconds(g.spec, "all_gather", logits, tp, tp, 1)
+    head = 3 * w.head_forward_flops() / rate + one + gather
     return UnitCosts(embed=one, block=block, block_full=block_full, head=head, tp_comm_block=4 * one)
 
 
