@@ -364,4 +364,8 @@ def _parallel_problems(cfg: DictConfig) -> list[str]:
     if p.pp > 1 and OmegaConf.select(cfg, "model.tie_embeddings"):
         out.append("parallel.pp > 1 is not allowed with model.tie_embeddings=true: the embedding and the head "
                    "live on different stages")
+    # parallelize_llama refuses it too, but only once the model is built on every rank
+    if p.tp > 1 and OmegaConf.select(cfg, "model.tie_embeddings") and p.loss_parallel is False:
+        out.append("parallel.loss_parallel=false is not allowed with parallel.tp > 1 and model.tie_embeddings="
+                   "true: the tied head's logits stay vocabulary-sharded (set parallel.loss_parallel=true)")
     return out

@@ -65,6 +65,9 @@ def test_bad_value_is_one_line_naming_key_value_and_allowed(key, value, allowed)
      "the MLP's hidden size 683 .* is not divisible by it"),
     ({"parallel.auto": True, "amsp.plan": "zero3"}, "set amsp.plan=auto"),
     ({"parallel.pp": 2, "model.tie_embeddings": True}, "different stages"),
+    # refused by parallelize_llama only once every rank had built the model
+    ({"parallel.tp": 2, "model.tie_embeddings": True, "parallel.loss_parallel": False},
+     "parallel.loss_parallel=false is not allowed with parallel.tp > 1 and model.tie_embeddings=true"),
     ({"parallel.tp": 2, "model.compile": "on"}, "model.compile=on is not allowed with parallel.tp=2"),
     # the joint planner chooses these: a hand-given value was silently replaced at startup
     ({"parallel.auto": True, "parallel.tp": 2, "parallel.schedule": "gpipe"},
