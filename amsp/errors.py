@@ -93,10 +93,14 @@ def one_line_errors(level: str | None = None):
         prefix = f"rank {rank}: " if rank not in (None, "0") else ""
         for h in logging.getLogger().handlers:
             h.flush()
-        # One write of the whole line: ranks share the terminal, and print() writes the newline
-        # separately, which lets another rank's line land in between.
-        sys.stderr.write(f"{prefix}{kind}: {exc}\n")
-        sys.stderr.flush()
+        # Every rank checks the same config and fails it alike: rank 0's line says it once (a 64-rank job
+        # printed it 64 times). Other failures can differ between ranks (a file missing on one node): each
+        # rank says its own.
+        if not (prefix and kind == "config error"):
+            # One write of the whole line: ranks share the terminal, and print() writes the newline
+            # separately, which lets another rank's line land in between.
+            sys.stderr.write(f"{prefix}{kind}: {exc}\n")
+            sys.stderr.flush()
         record_exit_code(code)
         _release_process_groups()
         sys.exit(code)

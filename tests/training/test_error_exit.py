@@ -6,6 +6,7 @@ import pytest
 import torch.distributed as dist
 
 from amsp.errors import InputError, one_line_errors
+from configs.validate import ConfigError
 
 
 def test_input_error_exits_2_after_destroying_the_process_group(capsys):
@@ -20,3 +21,17 @@ def test_input_error_exits_2_after_destroying_the_process_group(capsys):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_a_config_error_is_said_by_rank_0_alone_and_other_errors_by_every_rank(capsys, monkeypatch):
+    """Every rank fails the same config check: rank 0 says it, the others exit 2 without repeating it;
+    an input error can be one rank's own (a file missing on its node) and every rank names itself."""
+    bad_lr = "optim.lr=-1 is not allowed"
+    for rank, error, said in [("0", ConfigError(bad_lr), f"config error: {bad_lr}\n"), ("3", ConfigError(bad_lr), ""),
+                              ("3", InputError("no file x"), "rank 3: input error: no file x\n")]:
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as stop:
+            with one_line_errors():
+                raise error
+        assert stop.value.code == 2
+        assert capsys.readouterr().err == said, rank
