@@ -105,7 +105,9 @@ def test_startup_times_the_kernel_the_run_uses(tmp_path):
     if (why := native_adamw_unavailable("cpu")) is not None:
         pytest.skip(f"csrc's CPU extension: {why}")
     for kernel in ("fused", "foreach", "csrc"):
-        assert 0 < time_optimizer("cpu", elems=1 << 16, repeats=1, kernel=kernel) < 1e-6, kernel
+        # a sanity range, not a speed check: fused took 1.2e-7 s an element and foreach 1.08e-6 on a loaded
+        # 2-core machine (a bound of 1e-6 failed there)
+        assert 0 < time_optimizer("cpu", elems=1 << 16, repeats=1, kernel=kernel) < 1e-5, kernel
     model = to_llama_config(compose_config(["model=debug", "model.dim=64", "model.n_layers=2", "model.n_heads=4",
                                             "model.n_kv_heads=4"]).model)
     args = (model, 32, 1, "fp32", "none", "cpu", 1, 0, tmp_path)
