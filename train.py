@@ -219,6 +219,12 @@ def run(cfg: DictConfig) -> None:
     mbs = cfg.trainer.micro_batch_size
     if mesh is not None and mesh.pp > 1:  # the schedule's needs of the micro-batch count, before any build
         check_micro_batches(cfg.parallel.schedule, accum, mesh.pp)
+    # Data next, as soon as the batch is known: a problem with files or the tokenizer surfaces before the
+    # partitioner's probes and compute timing (tens of seconds) and before any model state exists.
+    data = build_data(cfg.data, seq_len=seq_len, seed=cfg.trainer.seed if cfg.data.seed is None else cfg.data.seed,
+                      train_samples=cfg.trainer.max_steps * gbs, model_vocab_size=model_cfg.vocab_size)
+    log.info("unigram entropy of the training tokens: %.4f nats (the loss of a model that knows only token "
+             "frequencies)", data.unigram_entropy)
     # The sharding plan is chosen (amsp.plan=auto: the partitioner, amsp/planner; probe, ILP, table in
     # RUN_DIR/plan.txt) or checked before anything is built: a broken rule is named right away.
     planned, switched = None, None
@@ -240,11 +246,6 @@ def run(cfg: DictConfig) -> None:
         plan = plan_from_config(cfg.amsp, topology_from(cfg.amsp, denv) if mesh is None else mesh.dp_topology(denv.rank))
     # After amsp.planner.recheck_steps steps: measured vs predicted, refit, maybe a better plan (amsp/replan_switch.py).
     replanner = Replanner(cfg, denv, device, planned, plan, run_dir, joint=joint is not None)
-    # Data first: every problem with files or the tokenizer surfaces before model state exists.
-    data = build_data(cfg.data, seq_len=seq_len, seed=cfg.trainer.seed if cfg.data.seed is None else cfg.data.seed,
-                      train_samples=cfg.trainer.max_steps * gbs, model_vocab_size=model_cfg.vocab_size)
-    log.info("unigram entropy of the training tokens: %.4f nats (the loss of a model that knows only token "
-             "frequencies)", data.unigram_entropy)
     # Checkpoints carry the config with the tokenizer they were trained with (a copy in the run
     # directory), so an export needs nothing but the run directory.
     tokenizer_copy = run_dir / data.tokenizer.copy_name  # tokenizer.model | tokenizer.json | tokenizer.tiktoken

@@ -156,9 +156,12 @@ def test_startup_data_errors_are_one_line(tmp_path, corpus, case):
     run = tmp_path / case
     if case == "missing_prefix":
         missing = str(tmp_path / "nowhere" / "corpus")
-        line = one_line_error(train(run, f"data.prefix={missing}", f"data.tokenizer={corpus['tok_a']}", check=False))
+        proc = train(run, f"data.prefix={missing}", f"data.tokenizer={corpus['tok_a']}", check=False)
+        line = one_line_error(proc)
         assert line == (f"input error: {missing}.idx: file not found (expected PREFIX.idx and PREFIX.bin from "
                         "python -m data.preprocess)"), line
+        # before the partitioner's probes and compute timing (tens of seconds on a cluster), not after them
+        assert "amsp.planner" not in proc.stdout + proc.stderr, proc.stderr[-2000:]
     elif case == "garbage_tokenizer":
         bad = tmp_path / "garbage.model"
         bad.write_bytes(b"\x00\xffnot a sentencepiece model\n" * 10)
