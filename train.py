@@ -36,7 +36,7 @@ from amsp.metrics import MetricsLogger, StepTimer, resolve_peak
 from amsp.metrics.logger import drop_rows_after
 from amsp.metrics.plan_config import log_plan, log_switch
 from amsp.metrics.wandb_logger import WandbLogger
-from amsp.build import engine_from_config, plan_from_config, topology_from
+from amsp.build import describe_node_override, engine_from_config, plan_from_config, topology_from
 from amsp.compile_choice import resolve_auto_compile
 from amsp.optim import WarmupCosine, lr_floor
 from amsp.parallel.joint_startup import joint_plan_for_run, stage_plan
@@ -169,6 +169,8 @@ def run(cfg: DictConfig) -> None:
                             timeout_s=cfg.trainer.collective_timeout_s)
     setup_logging(cfg.logging.level, denv.rank)
     log_backend_choices(denv)
+    if denv.is_main and (emulated := describe_node_override(cfg.amsp, denv)):
+        log.info("%s", emulated)
     set_threads(cfg, denv)
     name_sweep_job(cfg, announce=denv.is_main)
     run_dir = resolve_run_dir(cfg)

@@ -28,6 +28,17 @@ def topology_from(amsp_cfg, denv: DistEnv) -> Topology:
     return Topology(denv.world_size, rpn)
 
 
+def describe_node_override(amsp_cfg, denv: DistEnv) -> str | None:
+    """The startup line for amsp.ranks_per_node other than the launch's ranks per machine (one machine posing
+    as several nodes), or None. The launch line says the launcher's count and the engine's the emulated one:
+    without this line the two disagree unexplained."""
+    r = amsp_cfg.ranks_per_node
+    if not r or r == denv.local_world_size:
+        return None
+    return (f"nodes: amsp.ranks_per_node={r}: every {r} rank(s) are one node for the plan and the collectives "
+            f"({denv.world_size // r} nodes), not the launch's {denv.local_world_size} per machine")
+
+
 def plan_from_config(amsp_cfg, topo: Topology) -> Plan:
     c = amsp_cfg
     plan = plan_from_settings(c.plan, topo.world, topo.ranks_per_node, blocks=(c.p, c.g, c.os),
