@@ -35,6 +35,7 @@ import logging
 import os
 import shutil
 import threading
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,6 +174,23 @@ def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+# What DCP warns on every save and load made while torch.distributed is not initialised.
+_NO_PROCESS_GROUP_WARNING = (r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is "
+                             r"to (save|load) in a single process")
+
+
+def _quiet_single_process_dcp() -> None:
+    """Before a dcp.save / dcp.load: a single process (train.py initialises torch.distributed only for
+    several ranks, amsp/launch.py) saves and loads without a process group on purpose, so DCP's warning
+    that it assumes so asks nothing of the user, yet it printed on every checkpoint of every one-process
+    run. Only that message is silenced. A filter added for good, not a catch_warnings block: an
+    asynchronous save calls DCP from its writer thread, and catch_warnings swaps the process-wide filter
+    list, so its exit would drop whatever the main thread had added meanwhile. filterwarnings replaces an
+    equal filter, so calling it on every save adds one entry in all."""
+    if not dist.is_initialized():  # DCP warns only without a process group
+        warnings.filterwarnings("ignore", message=_NO_PROCESS_GROUP_WARNING, category=UserWarning)
+
+
 def verified_checkpoints(root: Path) -> list[Path]:
     """The verified step directories under `root` (a run's checkpoints/), newest first."""
     return sorted((p for p in root.glob(STEP_PREFIX + "*") if (p / VERIFIED).is_file()), reverse=True)
@@ -307,6 +325,7 @@ class CheckpointManager:
             group = self._group if self._group is not None else control.group()
             planner = _FragmentSavePlanner(fragments, checksums=self.checksums)
             writer = VerifyingWriter(tmp, planner) if self.checksums else dcp.FileSystemWriter(tmp)
+            _quiet_single_process_dcp()
             dcp.save(dict(tensors), storage_writer=writer, planner=planner, process_group=group)
             # dcp.save returns on every rank only after every rank's data and manifest are written,
             # synced and read back, and the coordinator found a checksum for every chunk.
@@ -425,6 +444,7 @@ class CheckpointManager:
         if control.all_reduce_max_int(1 if error is not None else 0):
             raise error if error is not None else CheckpointDamaged(f"{path}: another rank could not read it")
         _check_nothing_left_out(path, metadata, fragments)
+        _quiet_single_process_dcp()
         with damage_as_fault(path):
             dcp.load(tensors, storage_reader=reader, planner=_FragmentLoadPlanner(fragments),
                      process_group=control.group())

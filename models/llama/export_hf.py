@@ -63,6 +63,8 @@ def parameter_shapes(cfg: LlamaConfig) -> dict[str, torch.Size]:
 def resolve_checkpoint_dir(path: str | pathlib.Path) -> pathlib.Path:
     """A DCP directory itself, or a run's checkpoints/ directory or run directory (its `latest`)."""
     path = pathlib.Path(path)
+    if not path.exists():  # a typo: saying "not a checkpoint directory (no .metadata)" sent users looking inside
+        raise FileNotFoundError(f"{path} does not exist")
     if (path / ".metadata").is_file():
         return path
     for root in (path, path / "checkpoints"):
@@ -79,16 +81,22 @@ def resolve_checkpoint_dir(path: str | pathlib.Path) -> pathlib.Path:
 def load_model_state(ckpt_dir: str | pathlib.Path, cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     """Full-shape fp32 parameters from the checkpoint's `model.*` entries (nothing else is read), each
     chunk checked as resume checks it; a damaged checkpoint is amsp's CheckpointDamaged naming the file."""
+    return _load_model_state(ckpt_dir, cfg)[0]
+
+
+def _load_model_state(ckpt_dir: str | pathlib.Path, cfg: LlamaConfig) -> tuple[dict[str, torch.Tensor], dict]:
+    """load_model_state's parameters and the checkpoint's meta.json (the trainer's holds the step; one written
+    outside the trainer, by import_hf, has none and gets a stand-in without a step)."""
     # The trainer's checkpoint reading (amsp/checkpoint.py): imported here, not at the top, so models/
     # stays importable without amsp/ (which imports models/); only reading a checkpoint needs it.
     from amsp.checkpoint import open_verified
     from amsp.init_from import read_verified
 
     ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
-    _, reader, metadata = open_verified(ckpt_dir, require_meta=False)
-    meta = metadata.state_dict_metadata
+    meta, reader, metadata = open_verified(ckpt_dir, require_meta=False)
+    entries = metadata.state_dict_metadata
     shapes = parameter_shapes(cfg)
-    stored = {k[len(MODEL_PREFIX):]: v for k, v in meta.items() if k.startswith(MODEL_PREFIX)}
+    stored = {k[len(MODEL_PREFIX):]: v for k, v in entries.items() if k.startswith(MODEL_PREFIX)}
     missing, extra = sorted(set(shapes) - set(stored)), sorted(set(stored) - set(shapes))
     if missing or extra:
         raise ValueError(f"checkpoint does not match the saved model config: missing {missing[:5]}, "
@@ -101,7 +109,17 @@ def load_model_state(ckpt_dir: str | pathlib.Path, cfg: LlamaConfig) -> dict[str
                              f"({shape.numel()},))")
         buffers[MODEL_PREFIX + name] = torch.empty(size, dtype=torch.float32)
     read_verified(ckpt_dir, reader.checksums, buffers)  # one process reads every entry in full
-    return {name: buffers[MODEL_PREFIX + name].view(shape) for name, shape in shapes.items()}
+    return {name: buffers[MODEL_PREFIX + name].view(shape) for name, shape in shapes.items()}, meta
+
+
+def describe_checkpoint(given: str | pathlib.Path, ckpt_dir: pathlib.Path, meta: dict) -> str:
+    """Which checkpoint was read, for the export's last line: a run directory resolves through its
+    `latest`, so the user sees the step directory and the step it holds, not just the path they typed."""
+    step = meta.get("step")
+    what = f"step {step}" if isinstance(step, int) else "no step: no meta.json, not written by the trainer"
+    if pathlib.Path(given).resolve() != ckpt_dir.resolve():  # found through a pointer beside the step directories
+        what += f", named by {ckpt_dir.parent / 'latest'}"
+    return f"checkpoint {ckpt_dir} ({what})"
 
 
 def export(ckpt_dir: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: str = "float32",
@@ -111,9 +129,10 @@ def export(ckpt_dir: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: str
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    given = ckpt_dir
     ckpt_dir, out_dir = resolve_checkpoint_dir(ckpt_dir), pathlib.Path(out_dir)
     cfg, full = read_saved_config(ckpt_dir)
-    state = load_model_state(ckpt_dir, cfg)
+    state, meta = _load_model_state(ckpt_dir, cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     hf = {k: v.to(DTYPES[dtype]) for k, v in to_hf_state_dict(state, cfg).items()}
     save_file(hf, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -129,7 +148,8 @@ def export(ckpt_dir: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: str
                     "exported without one")
     hf_cfg = to_hf_config(cfg, dtype, special["bos"], special["eos"])
     (out_dir / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
-    log.info("exported %d tensors (%s) to %s", len(hf), dtype, out_dir)
+    log.info("exported %d tensors (%s) from %s to %s", len(hf), dtype, describe_checkpoint(given, ckpt_dir, meta),
+             out_dir)
     return out_dir
 
 

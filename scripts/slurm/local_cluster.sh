@@ -5,11 +5,23 @@
 #   scripts/slurm/local_cluster.sh status   # daemons, sinfo, and the SLURM_CONF line to export
 #   scripts/slurm/local_cluster.sh env      # prints `export SLURM_CONF=...` (eval "$(... env)")
 #   scripts/slurm/local_cluster.sh stop     # stops what `start` started, by pid file
+#   scripts/slurm/local_cluster.sh --help   # prints this text
+#
+# Example: start it, point the clients at it, submit a tiny CPU run, stop it:
+#
+#   scripts/slurm/local_cluster.sh start && eval "$(scripts/slurm/local_cluster.sh env)"
+#   NPROC_PER_NODE=2 sbatch --nodes=1 --gpus-per-node=0 scripts/slurm/pretrain.sbatch model=debug \
+#       model.vocab_size=8192 trainer.max_steps=20
+#   scripts/slurm/local_cluster.sh stop
 #
 # Everything (config, munge key and socket, controller state, spool, logs, pid files) lives under
 # $AMSP_SLURM_DIR (default /tmp/amsp-local-slurm), so nothing in /etc is touched and a stop leaves
 # no daemon behind. Clients find the cluster through SLURM_CONF, which jobs inherit from sbatch.
 # Needs root: slurmd runs jobs as the submitting user and SlurmUser is root here.
+#
+# Environment: AMSP_SLURM_DIR (default /tmp/amsp-local-slurm), AMSP_SLURMCTLD_PORT (default 6817),
+# AMSP_SLURMD_PORT (default 6818), AMSP_SLURM_PARTITION (default test), AMSP_SLURM_WAIT_S (seconds
+# `start` waits for the node to be idle; default 60).
 set -euo pipefail
 
 DIR=${AMSP_SLURM_DIR:-/tmp/amsp-local-slurm}
@@ -234,10 +246,14 @@ status() {
     return "$rc"
 }
 
+# The usage is the comment block at the top of this file: one text to keep.
+usage() { awk 'NR == 1 {next} !/^#/ {exit} {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; }
+
 case ${1:-} in
     start) start ;;
     stop) stop ;;
     status) status ;;
     env) print_env ;;
-    *) echo "usage: $0 start|stop|status|env" >&2; exit 2 ;;
+    -h | --help) usage ;;  # asked for: the usage on stdout, and success
+    *) echo "usage: $0 start|stop|status|env (--help: what each does and the environment it reads)" >&2; exit 2 ;;
 esac
