@@ -48,6 +48,12 @@ def requested_global_batch(cfg: DictConfig) -> int:
 def batch_geometry(cfg: DictConfig, dp_world: int, *, announce: bool = True) -> BatchGeometry:
     """The step's batch on `dp_world` data-parallel ranks; warns (announce) when it was rounded."""
     requested, mbs = requested_global_batch(cfg), cfg.trainer.micro_batch_size
+    t = cfg.trainer
+    # global_batch_size always has a value (16 by default), so one given beside global_batch_tokens cannot be told
+    # from the default: the one that wins is said when they disagree, rather than refused
+    if announce and t.global_batch_tokens and requested != t.global_batch_size:
+        log.info("trainer.global_batch_tokens=%d (%d samples of data.seq_len=%d) replaces trainer.global_batch_size=%d",
+                 t.global_batch_tokens, requested, cfg.data.seq_len, t.global_batch_size)
     unit = mbs * dp_world  # one micro-batch on every rank
     if requested % unit == 0:
         return BatchGeometry(requested, mbs, requested // unit, requested)

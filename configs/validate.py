@@ -18,6 +18,10 @@ from amsp.parallel.micro_batches import SCHEDULES, virtual_stages_problem
 
 # What trainer.allow_resume_changes may name (data/resume_check.py acts on them).
 RESUME_CHANGES = ("seq_len", "tokenizer", "data")
+# The built-in corpus's smallest tokenizer: 256 byte pieces, the special pieces and every character the corpus
+# needs (sentencepiece counts 349 for the stdlib); below that its training fails with an INTERNAL error after the
+# corpus was extracted. The same floor data/pipeline.py holds the default vocabulary to (_BUILTIN_MIN_VOCAB).
+BUILTIN_MIN_VOCAB = 384
 
 
 class ConfigError(ValueError):
@@ -54,6 +58,10 @@ def in_unit_interval(key: str, optional: bool = False) -> Rule:
     return Rule(key, "a finite number in [0, 1)", lambda v: _number(v) and 0 <= v < 1, optional)
 
 
+def in_closed_unit_interval(key: str, optional: bool = False) -> Rule:
+    return Rule(key, "a finite number in [0, 1]", lambda v: _number(v) and 0 <= v <= 1, optional)
+
+
 def one_of(key: str, *choices: str) -> Rule:
     return Rule(key, "one of " + "|".join(choices), lambda v: v in choices)
 
@@ -65,6 +73,7 @@ RULES: tuple[Rule, ...] = (
     int_at_least("data.prefetch", 0),
     int_at_least("data.seed", 0, optional=True),
     int_at_least("data.split_seed", 0),
+    int_at_least("data.builtin.vocab_size", BUILTIN_MIN_VOCAB, optional=True),
     Rule("data.split", "two finite numbers >= 0 (train, validation) with a positive train share",
          lambda v: len(v) == 2 and all(_number(x) and x >= 0 for x in v) and v[0] > 0),
     finite_at_least("optim.lr", 0, strict=True),
@@ -102,16 +111,31 @@ RULES: tuple[Rule, ...] = (
     one_of("amsp.optimizer_kernel", "auto", "fused", "foreach", "csrc"),
     one_of("model.compile", "auto", "on", "off"),
     one_of("cluster.device", "cpu", "cuda"),
+    # The launch's shape replaces them in a training run (logged); the planner CLI prices them as given.
+    int_at_least("cluster.nodes", 1),
+    int_at_least("cluster.ranks_per_node", 1),
+    finite_at_least("cluster.device_memory_gib", 0, strict=True, optional=True),  # None: measured at startup
+    finite_at_least("cluster.peak_tflops", 0, strict=True, optional=True),
+    finite_at_least("cluster.memory_bandwidth_gbs", 0, strict=True),
+    one_of("cluster.dtype", "fp32", "bf16"),  # Precision.named and the measured peak know these two
+    finite_at_least("cluster.intra_latency_us", 0),
+    finite_at_least("cluster.inter_latency_us", 0),
+    finite_at_least("cluster.intra_bandwidth_gbs", 0, strict=True),
+    finite_at_least("cluster.inter_bandwidth_gbs", 0, strict=True),
+    in_closed_unit_interval("cluster.overlap_slowdown"),
     int_at_least("amsp.spread_window", 1),
     int_at_least("amsp.ranks_per_node", 1, optional=True),
     *(int_at_least(f"amsp.{k}", 1, optional=True)
       for k in ("p", "g", "os", "embed_head_p", "embed_head_g", "embed_head_os")),
-    finite_at_least("amsp.planner.mfu", 0, strict=True),
+    # The planner's own range checks (cost_model.Options, cluster.ClusterSpec), so a value they refuse is one
+    # line here instead of a traceback once the run has started.
+    Rule("amsp.planner.mfu", "a finite number in (0, 1]", lambda v: _number(v) and 0 < v <= 1),
+    finite_at_least("amsp.planner.state_budget_gib", 0, strict=True, optional=True),
     in_unit_interval("amsp.planner.memory_margin", optional=True),
     finite_at_least("amsp.planner.reserved_gib", 0),
     int_at_least("amsp.planner.tp", 1),
     int_at_least("amsp.planner.pp", 1),
-    finite_at_least("amsp.planner.overlap_slowdown", 0, optional=True),
+    in_closed_unit_interval("amsp.planner.overlap_slowdown", optional=True),
     int_at_least("amsp.planner.top_k", 1),
     finite_at_least("amsp.planner.probe_budget_s", 0, strict=True),
     int_at_least("amsp.planner.probe_max_mib", 1),
@@ -146,8 +170,11 @@ def _describe(v) -> str:
     return repr(v) if isinstance(v, str) else str(v)
 
 
-def validate_config(cfg: DictConfig) -> None:
-    """Raise one ConfigError naming every field outside its allowed values."""
+def validate_config(cfg: DictConfig, what_if: bool = False) -> None:
+    """Raise one ConfigError naming every field outside its allowed values.
+
+    what_if: the planner CLI's pricing, where amsp.planner.tp / pp are what-if degrees; False (train.py): a
+    training run, which plans under parallel.tp / pp."""
     problems = []
     for rule in RULES:
         value = OmegaConf.select(cfg, rule.key, default="__absent__")
@@ -162,11 +189,37 @@ def validate_config(cfg: DictConfig) -> None:
         if not ok:
             problems.append(f"{rule.key}={_describe(value)} is not allowed: expected {rule.allowed}")
     problems += unknown_keys(cfg)
+    problems += schema_choices(_hydra_choices())
     problems += _cross_field_problems(cfg)
+    problems += _planner_degree_problems(cfg, what_if)
     if not any(p.startswith("model.") for p in problems):  # its divisibility rules would divide by a bad size
         problems += model_shape_problems(cfg)
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def _hydra_job() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.initialized()
+
+
+def _hydra_choices() -> dict:
+    """The option chosen in each config group of the running Hydra job; {} outside one."""
+    if not _hydra_job():
+        return {}
+    from hydra.core.hydra_config import HydraConfig
+
+    return dict(HydraConfig.get().runtime.choices)
+
+
+def schema_choices(choices: dict) -> list[str]:
+    """configs/schema.py stores each group's schema in the group itself (the group's files extend it through
+    their defaults list), so Hydra offers it as an option: `cluster=cluster_schema` composed the bare schema in
+    place of a preset. Refused, naming the group."""
+    return [f"{group}={choice} is not allowed: expected one of the {group} group's presets (train.py --help lists "
+            f"them); {choice} is the schema they extend" for group, choice in choices.items()
+            if isinstance(choice, str) and choice.endswith("_schema") and not group.startswith("hydra")]
 
 
 def unknown_keys(cfg: DictConfig, where: str = "") -> list[str]:
@@ -212,6 +265,8 @@ def _cross_field_problems(cfg: DictConfig) -> list[str]:
                    "calls the engine from the backward, which torch.compile cannot trace (model.compile=auto "
                    "keeps blocks eager with it)")
     out += _parallel_problems(cfg)
+    out += _builtin_vocab_problems(cfg)
+    out += _bandwidth_table_problems(cfg)
     init_from = OmegaConf.select(cfg, "trainer.init_from", default=None)
     if init_from is not None:  # a path that is neither an HF folder nor a checkpoint: named before any state
         from amsp.init_from import source_problem
@@ -220,6 +275,42 @@ def _cross_field_problems(cfg: DictConfig) -> list[str]:
         if problem:
             out.append(problem)
     return out
+
+
+def _planner_degree_problems(cfg: DictConfig, what_if: bool) -> list[str]:
+    """amsp.planner.tp / pp against parallel.tp / pp, by from_config.with_model_parallel's rule: 1 x 1 or equal
+    to parallel's; the CLI's what-ifs (parallel at 1 x 1) may name others, and so may parallel.auto=true, where
+    they fix the joint planner's tp x pp. A training run plans under parallel.* only."""
+    degrees = [OmegaConf.select(cfg, k) for k in ("amsp.planner.tp", "amsp.planner.pp", "parallel.tp", "parallel.pp")]
+    if not all(_int(v) and v >= 1 for v in degrees):
+        return []  # missing, or reported by its rule
+    planner, parallel = tuple(degrees[:2]), tuple(degrees[2:])
+    if planner in ((1, 1), parallel) or OmegaConf.select(cfg, "parallel.auto") is True:
+        return []
+    if what_if and parallel == (1, 1):
+        return []
+    return [f"amsp.planner.tp={planner[0]}, amsp.planner.pp={planner[1]} contradict parallel.tp={parallel[0]}, "
+            f"parallel.pp={parallel[1]}: a training run plans under parallel.tp / parallel.pp (amsp.planner.tp / pp "
+            f"are the planner CLI's what-ifs and, with parallel.auto=true, the joint planner's tp x pp); name "
+            f"parallel.tp / parallel.pp instead"]
+
+
+def _builtin_vocab_problems(cfg: DictConfig) -> list[str]:
+    """The built-in corpus's tokenizer, padded to data.pad_vocab_multiple, must fit model.vocab_size
+    (data/tokenizer.py check_fits_model), which was found only after the tokenizer was trained and the corpus
+    tokenized."""
+    v, m = OmegaConf.select(cfg, "data.builtin.vocab_size"), OmegaConf.select(cfg, "data.pad_vocab_multiple")
+    model = OmegaConf.select(cfg, "model.vocab_size")
+    if OmegaConf.select(cfg, "data.prefix") or OmegaConf.select(cfg, "data.blend"):
+        return []  # the built-in corpus is not used
+    if not all(_int(x) and x >= 1 for x in (v, m, model)):
+        return []  # unset (sized to fit), or reported by its rule
+    padded = -(-v // m) * m
+    if padded <= model:
+        return []
+    return [f"data.builtin.vocab_size={v} is not allowed: expected at most model.vocab_size={model} once padded to "
+            f"a multiple of data.pad_vocab_multiple={m} (it pads to {padded}); lower it, or leave it unset to fit "
+            f"the model"]
 
 
 def model_shape_problems(cfg: DictConfig) -> list[str]:
@@ -246,6 +337,23 @@ def _ffn_hidden_dim(cfg: DictConfig) -> int | None:
         return to_llama_config(cfg.model).ffn_hidden_dim
     except (TypeError, ValueError, AttributeError):
         return None
+
+
+def _bandwidth_table_problems(cfg: DictConfig) -> list[str]:
+    """cluster.intra_node / inter_node read by the planner's own reader (cluster.curves_from_config: known
+    collective kinds, readable sizes, positive bandwidths), so a bad table is one line before the run."""
+    from amsp.planner.cluster import curves_from_config
+
+    out = []
+    for key, scope in (("intra_node", "intra"), ("inter_node", "inter")):
+        table = _plain(OmegaConf.select(cfg, f"cluster.{key}"))
+        if not table:
+            continue
+        try:
+            curves_from_config(table, scope)
+        except (TypeError, ValueError, AttributeError) as e:
+            out.append(f"cluster.{key}={table} is not allowed: " + " ".join(str(e).split()))
+    return out
 
 
 def _cluster_file_problems(path: str) -> list[str]:

@@ -106,7 +106,7 @@ def test_pipeline_settings_refused_once_and_kept_for_what_ifs():
     cfg = default_cfg()
     for key, value in {"amsp.planner.pp": 2, "parallel.schedule": "gpipe"}.items():
         OmegaConf.update(cfg, key, value, force_add=False)
-    validate_config(cfg)
+    validate_config(cfg, what_if=True)
 
 
 def test_explicit_plans_keep_their_embedding_and_head_degrees():

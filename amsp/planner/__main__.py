@@ -34,7 +34,7 @@ from amsp.parallel.micro_batches import micro_batch_problem
 from configs.schema import register_configs
 from configs.validate import AMSP_DEGREES, JOINT_CHOOSES
 
-from .compute_profile import load_profile, load_profiles
+from .compute_profile import SHAPE_CHECKED, check_profile_shape, load_profile, load_profiles
 from .allocator import describe_margin
 from .cost_model import CostModel, overlap_slowdown_of
 from .from_config import (cluster_spec, options_from_config, planner_config, precision_name,
@@ -66,7 +66,7 @@ def checked_config(overrides: list[str]):
     except (HydraException, OmegaConfBaseException) as e:
         cause = e.__cause__ if e.__cause__ is not None and str(e.__cause__) not in str(e) else None
         raise InputError("config: " + " ".join(f"{e} {cause or ''}".split())) from e
-    validate_config(cfg)
+    validate_config(cfg, what_if=True)  # amsp.planner.tp / pp are what-if degrees here
     return cfg
 
 
@@ -87,6 +87,13 @@ def overridden(overrides: list[str], keys) -> list[str]:
 
 def refuse_ignored_options(mode: str, args) -> None:
     """An option the chosen planner does not read is an error, not silently dropped."""
+    # simulate plans at each of --gpus and prices no named plan; plan (and --joint) prices the cluster's shape
+    if args.gpus is not None and mode != "simulate":
+        raise InputError(f"--gpus {args.gpus} applies only with simulate (a plan is priced on cluster.nodes x "
+                         f"cluster.ranks_per_node GPUs)")
+    if args.price and mode == "simulate" and not args.joint:
+        raise InputError(f"--price {' --price '.join(args.price)}: not available with simulate (it solves at each "
+                         f"GPU count); price plans without simulate")
     if args.joint:
         ignored = [name for name, given in (("simulate", mode == "simulate"), ("--price", bool(args.price)),
                                             ("--collectives tensor", args.collectives != "unit")) if given]
@@ -139,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = argv.pop(0) if argv and argv[0] in ("plan", "simulate") else "plan"
     ap = argparse.ArgumentParser(prog="python -m amsp.planner [plan|simulate]", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gpus", default=",".join(map(str, DEFAULT_GPUS)), help="simulate: GPU counts")
+    ap.add_argument("--gpus", help=f"simulate: GPU counts (default {','.join(map(str, DEFAULT_GPUS))})")
     ap.add_argument("--json", action="store_true", help="print JSON on stdout instead of the tables")
     ap.add_argument("--price", action="append", default=[], metavar="PLAN",
                     help="price this plan instead of solving: a preset (ddp, zero1, zero2, zero3, hsdp), "
@@ -161,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                          "(one all-gather per submodule's weight, norms never gathered, gradients in buckets), "
                          "to compare with published systems; 'unit' (default) is this engine's one per unit")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=llama2_13b cluster=a800x8")
-    args = ap.parse_args(argv)
+    # intermixed: Hydra overrides may come before, between or after the options
+    args = ap.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
     try:
         return _run(mode, args)
@@ -175,16 +183,23 @@ def _run(mode: str, args) -> int:
     cfg = with_model_parallel(checked_config(args.overrides))
     if args.joint:
         return _run_joint(cfg, args)
+    # Everything an input can be refused for is read before the first line of output (the cluster's
+    # header), so a refused run prints its one error line only.
+    counts = gpu_counts(args.gpus if args.gpus is not None else ",".join(map(str, DEFAULT_GPUS)))
     cluster = cluster_spec(cfg)
-    profile = load_profile(args.compute_profile) if args.compute_profile else None
+    profile, profile_shape = None, ""
+    if args.compute_profile:
+        profile = load_profile(args.compute_profile)
+        profile_shape = check_profile_shape(args.compute_profile, planned_shape(cfg, cluster),
+                                            cluster_name=cluster.name)
     options = dataclasses.replace(options_from_config(cfg, profile), granularity=args.collectives)
     p = planner_config(cfg)
     out = (lambda s: None) if args.json else print
-    out(cluster.describe(overlap_slowdown_of(options, cluster)))
     if mode == "simulate":
         r = cluster.ranks_per_node
+        out(cluster.describe(overlap_slowdown_of(options, cluster)))
         rows = simulate(lambda n: workload_from_config(cfg, cluster.with_shape(max(1, n // r), min(r, n))),
-                        cluster, options, gpu_counts(args.gpus))
+                        cluster, options, counts)
         ranks_per_replica = p.tp * p.pp
         for n in sorted({row["gpus"] for row in rows if "global_batch" in row}):
             dp = n // ranks_per_replica
@@ -192,8 +207,10 @@ def _run(mode: str, args) -> int:
         if args.json:
             print(json.dumps({"simulation": rows, "cluster": cluster_json(cluster)}))
             return 0
+        compute = (f"compute from {profile.source} ({profile_shape})" if profile is not None
+                   else f"assumed MFU of compute {options.mfu:.0%}")
         print(f"model {cfg.model.name}, seq_len {cfg.data.seq_len}, micro-batch {cfg.trainer.micro_batch_size}, "
-              f"recomputation {cfg.model.activation_checkpointing}, assumed MFU of compute {options.mfu:.0%}")
+              f"recomputation {cfg.model.activation_checkpointing}, {compute}")
         print(format_simulation(rows))
         return 0
     w = workload_from_config(cfg, cluster)
@@ -202,13 +219,15 @@ def _run(mode: str, args) -> int:
     # the rounded batch's micro-batches against the schedule, as train.py refuses them before any build
     if w.pp > 1 and (problem := micro_batch_problem(w.schedule, w.micro_batches, w.pp)) is not None:
         raise InputError(problem)
-    out(f"model {cfg.model.name}: {w.params_per_rank() / 1e9:.2f}B parameters per rank, seq_len {w.seq_len}, "
+    plans = [parse_plan(text, model.dp_world, model.dp_per_node) for text in args.price]
+    out(cluster.describe(overlap_slowdown_of(options, cluster)))
+    shape = f" ({profile_shape})" if profile_shape else ""
+    out(f"model {cfg.model.name}: {count_text(w.params_per_rank())} parameters per rank, seq_len {w.seq_len}, "
         f"{w.micro_batches} micro-batch(es) of {w.micro_batch_size} per rank, {precision_name(cfg, cluster)}, "
-        f"recomputation {w.recompute}, tp {w.tp}, pp {w.pp}; compute from {model.compute_source}")
+        f"recomputation {w.recompute}, tp {w.tp}, pp {w.pp}; compute from {model.compute_source}{shape}")
     out(f"{w.run_kernels.describe()} (assumed here; train.py's startup asks its device)")
     out(describe_margin(options.memory_margin, cluster.device))
     if args.price:
-        plans = [parse_plan(text, model.dp_world, model.dp_per_node) for text in args.price]
         costs = [price_plan(w, cluster, options, plan) for plan in plans]
         if args.json:
             print(json.dumps({"priced": [plan_cost_json(c) for c in costs],
@@ -217,7 +236,10 @@ def _run(mode: str, args) -> int:
             print(format_table(costs, "priced plans (total > device memory = does not fit):"))
         return 0
     with json_error(args.json, lambda: inputs_json(cfg, w, cluster, options, model)):
-        res = plan_cluster(w, cluster, options, top_k=p.top_k, time_limit_s=p.time_limit_s)
+        try:
+            res = plan_cluster(w, cluster, options, top_k=p.top_k, time_limit_s=p.time_limit_s)
+        except NoFeasiblePlan as e:  # its hints name this CLI's keys
+            raise e.in_context("cli")
     if args.json:
         print(json.dumps({**res.to_json(), "inputs": inputs_json(cfg, w, cluster, options, model)}))
     else:
@@ -236,6 +258,25 @@ def json_error(enabled: bool, inputs):
         if enabled:
             print(json.dumps({"error": str(e), "inputs": inputs()}))
         raise
+
+
+def count_text(n: float) -> str:
+    """A parameter count as train.py logs it, in the unit that keeps its digits: 6.74B, 7.34M, 164.16K."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def planned_shape(cfg, cluster) -> dict:
+    """What the CLI prices, in compute_profile.measured_shape's fields (a profile file's record)."""
+    from configs.schema import to_llama_config
+
+    m = to_llama_config(cfg.model)
+    return {"dim": m.dim, "n_layers": m.n_layers, "ffn": m.ffn_hidden_dim, "heads": m.n_heads,
+            "kv_heads": m.n_kv_heads, "vocab": m.vocab_size, "seq_len": int(cfg.data.seq_len),
+            "micro_batch": int(cfg.trainer.micro_batch_size), "dtype": precision_name(cfg, cluster),
+            "device": cluster.device}
 
 
 def gpu_counts(text: str) -> list[int]:
@@ -280,6 +321,9 @@ def _run_joint(cfg, args) -> int:
         if args.efficiency:
             raise InputError("--compute-profile and --efficiency: give one (a profile sets each group's efficiency)")
         names = {g.name for g in cluster.groups}
+        # the model's shape is checked; the device is not: a mixed cluster's groups run on several
+        check_profile_shape(args.compute_profile, planned_shape(cfg, cluster.groups[0].spec),
+                            compare=tuple(k for k in SHAPE_CHECKED if k != "device"))
         for group, prof in load_profiles(args.compute_profile).items():
             if group is not None and group not in names:
                 raise InputError(f"--compute-profile {args.compute_profile}: node group {group!r} is not in the "

@@ -447,7 +447,10 @@ def _measure(model_cfg, seq_len, micro_batch, dtype_name, recompute, device, wor
         for g, prof in profiles.items():
             log.info("compute profile%s (%.2f s to measure): %s", _of(g), time.perf_counter() - t0, describe(prof))
         payload = _stored(profiles[ALL_RANKS]) if layout is None else {g: _stored(v) for g, v in profiles.items()}
-        write_atomic(path, {"key": key, field: payload})
+        # "shape": what was timed, readable (the key is a hash), so `--compute-profile FILE` can refuse the
+        # file for another model or device; the key and the field train.py reads are unchanged
+        shape = measured_shape(model_cfg, seq_len, micro_batch, dtype_name, device.type, device_name(device))
+        write_atomic(path, {"key": key, "shape": shape, field: payload})
     return profiles
 
 
@@ -518,6 +521,54 @@ def _profile_from(data, path: str, what: str = "") -> ComputeProfile:
     if rate is not None and not 0 < rate < math.inf:  # a step per element at no time would be a free update
         raise InputError(f"{where}: optimizer_s_per_elem={rate:g} must be finite seconds > 0")
     return prof
+
+
+# The recorded shape's fields a profile's times depend on (a block, the head and the embedding at one
+# micro-batch): n_layers is recorded too but not compared, as no timed unit depends on it.
+SHAPE_CHECKED = ("dim", "ffn", "heads", "kv_heads", "vocab", "seq_len", "micro_batch", "dtype", "device")
+
+
+def measured_shape(model_cfg, seq_len: int, micro_batch: int, dtype: str, device_kind: str, device: str) -> dict:
+    """What a compute profile was measured for, as its cache file records it ("shape")."""
+    return {"dim": model_cfg.dim, "n_layers": model_cfg.n_layers, "ffn": model_cfg.ffn_hidden_dim,
+            "heads": model_cfg.n_heads, "kv_heads": model_cfg.n_kv_heads, "vocab": model_cfg.vocab_size,
+            "seq_len": seq_len, "micro_batch": micro_batch, "dtype": dtype, "device": device_kind,
+            "device_name": device}
+
+
+def check_profile_shape(path: str, planned: dict, compare: tuple = SHAPE_CHECKED,
+                        cluster_name: str | None = None) -> str:
+    """How far the file at `path` describes the `planned` shape (measured_shape's fields): refused
+    (InputError naming both) when its recorded shape differs in one of `compare`, or when its GPU is one
+    another cluster preset than `cluster_name` describes (an A100's times priced as an H100's); a file
+    without the record (written before it, or by hand) cannot be checked: a warning is logged. Returns
+    what the planner's header says of the file's shape."""
+    from amsp.errors import InputError
+
+    from .device_preset import DEVICE_PRESETS, preset_for_device
+
+    recorded = _read_json_object(path).get("shape")
+    if recorded is None:
+        log.warning("--compute-profile %s records no model shape (a file written before the record, or by hand): "
+                    "it cannot be checked against the planned model (%s)", path, _shape_text(planned))
+        return "shape not recorded: not checked"
+    if not isinstance(recorded, dict):
+        raise InputError(f"--compute-profile {path}: \"shape\" must be a JSON object, got {recorded!r}")
+    differ = [k for k in compare if k in recorded and recorded[k] != planned.get(k)]
+    if differ:
+        raise InputError(f"--compute-profile {path}: measured for {_shape_text(recorded, differ)}, the planned run "
+                         f"is {_shape_text(planned, differ)}; time this model (train.py's startup writes the "
+                         f"file) or drop --compute-profile")
+    measured_on = preset_for_device(str(recorded.get("device_name", "")))
+    if cluster_name in {preset for _, preset in DEVICE_PRESETS} and measured_on not in (None, cluster_name):
+        raise InputError(f"--compute-profile {path}: measured on {recorded['device_name']} (cluster={measured_on}), "
+                         f"the planned cluster is {cluster_name}; time the compute there or drop --compute-profile")
+    return f"measured for {_shape_text(recorded)}"
+
+
+def _shape_text(shape: dict, keys=None) -> str:
+    keys = [k for k in (keys or shape) if k in shape]
+    return ", ".join(f"{k} {shape[k]}" for k in keys)
 
 
 def load_profile(path: str) -> ComputeProfile:

@@ -155,8 +155,24 @@ def cluster_spec(cfg: DictConfig, nodes: int | None = None, ranks_per_node: int 
     """The ClusterSpec for this config; nodes / ranks_per_node from the launcher when given. On a
     CUDA device with the default cpu preset, the device's own preset (device_preset.py). A run's device
     is the spec's device, whatever the preset says (a GPU preset named for a CPU run runs inline)."""
+    say_launch_shape(cfg.cluster, nodes, ranks_per_node)
     spec = _cluster_spec(cfg, nodes, ranks_per_node, local_ranks, device)
     return spec if device is None else on_device(spec, device)
+
+
+_shapes_said: set = set()
+
+
+def say_launch_shape(c: DictConfig, nodes: int | None, ranks_per_node: int | None) -> None:
+    """cluster.nodes / ranks_per_node give the planner CLI its machines; a run takes the launch's shape instead.
+    Said once where they differ, so a value the config names is not replaced silently (startup prices the
+    cluster more than once)."""
+    given = (c.nodes, c.ranks_per_node)
+    used = (nodes or c.nodes, ranks_per_node or c.ranks_per_node)
+    if given != used and (given, used) not in _shapes_said:
+        _shapes_said.add((given, used))
+        log.info("cluster %s: the launch's %d node(s) x %d ranks replace cluster.nodes=%d, cluster.ranks_per_node=%d",
+                 c.name, *used, *given)
 
 
 def on_device(spec: ClusterSpec, device) -> ClusterSpec:

@@ -178,36 +178,74 @@ def format_table(costs: list[PlanCost], header: str = "") -> str:
     return "\n".join(lines)
 
 
-class NoFeasiblePlan(RuntimeError):
-    """No plan fits in device memory; the message names the smallest-memory plan and the excess."""
+# Where a NoFeasiblePlan is reported decides the keys its hints name: a training run (train.py's startup)
+# sets parallel.tp / pp and its world comes from the launcher; the planner CLI prices cluster.nodes and
+# amsp.planner.tp / pp as what-ifs. A raiser that does not say (solve.plan_cluster) names both.
+_MORE_RANKS = {"train": "more GPUs (a larger launch: larger shard degrees)",
+               "cli": "more nodes (cluster.nodes: larger shard degrees)",
+               None: "more nodes (larger shard degrees)"}
+_MODEL_PARALLEL = {"train": "tensor / pipeline parallelism (parallel.tp / parallel.pp, or parallel.auto=true)",
+                   "cli": "tensor / pipeline parallelism (parallel.tp / parallel.pp; --joint searches them)",
+                   None: "tensor / pipeline parallelism (parallel.tp / parallel.pp in a training run, "
+                         "amsp.planner.tp / pp as the planner CLI's what-if)"}
 
-    def __init__(self, smallest: PlanCost, recompute: str, micro_batch_size: int):
-        over = smallest.memory_total - smallest.device_memory
-        m = smallest.memory
-        parts = ", ".join(f"{k} {m[k] / GIB:.2f}" for k in MEMORY_PARTS)
-        hints = []
-        if recompute != "full":
-            hints.append("more activation recomputation (model.activation_checkpointing="
-                         + ("selective or full)" if recompute == "none" else "full)"))
-        if micro_batch_size > 1:
-            hints.append(f"a smaller micro-batch (trainer.micro_batch_size < {micro_batch_size})")
-        hints += ["a shorter sequence (data.seq_len)", "more nodes (larger shard degrees)",
-                  "tensor / pipeline parallelism (amsp.planner.tp / pp)"]
+
+class NoFeasiblePlan(RuntimeError):
+    """No plan fits in device memory; the message names the smallest-memory plan, the excess and what
+    could close it: the hints follow the part that is over (model states or activations) and name the
+    keys of `context` ("train": train.py, "cli": python -m amsp.planner; in_context sets it)."""
+
+    def __init__(self, smallest: PlanCost, recompute: str, micro_batch_size: int, context: str | None = None):
+        self.smallest, self.recompute, self.micro_batch_size = smallest, recompute, micro_batch_size
+        if smallest.memory_total <= smallest.device_memory and not smallest.within_state_budget:
+            self.excess_bytes = smallest.model_state_bytes - smallest.state_budget
+        else:
+            self.excess_bytes = smallest.memory_total - smallest.device_memory
+        self.in_context(context)
+
+    def in_context(self, context: str | None) -> "NoFeasiblePlan":
+        """This error with its hints naming `context`'s keys (the message is its args[0])."""
+        if context not in _MORE_RANKS:
+            raise ValueError(f"NoFeasiblePlan context {context!r}: expected 'train', 'cli' or None")
+        self.context = context
+        self.args = (self._message(context),)
+        return self
+
+    def _message(self, context: str | None) -> str:
+        smallest, recompute, mbs = self.smallest, self.recompute, self.micro_batch_size
+        more, model_parallel = _MORE_RANKS[context], _MODEL_PARALLEL[context]
         if smallest.memory_total <= smallest.device_memory and not smallest.within_state_budget:
             # the device would hold it: the model-state cap is what binds
-            super().__init__(
-                f"no sharding plan keeps model states within amsp.planner.state_budget_gib = "
-                f"{smallest.state_budget / GIB:.3g} GiB per rank: the smallest-memory plan "
-                f"{plan_label(smallest.plan)} holds {smallest.model_state_bytes / GIB:.3g} GiB of params, grads "
-                f"and optimizer states. Raise or unset the budget, or use more nodes (larger shard degrees)")
-            self.smallest, self.excess_bytes = smallest, smallest.model_state_bytes - smallest.state_budget
-            return
-        super().__init__(
-            f"no sharding plan fits in {smallest.device_memory / GIB:.1f} GiB per device: the smallest-memory "
-            f"plan {plan_label(smallest.plan)} needs {smallest.memory_total / GIB:.2f} GiB per rank, "
-            f"{over / GIB:.2f} GiB over ({parts} GiB). Try: " + "; ".join(hints))
-        self.smallest = smallest
-        self.excess_bytes = over
+            return (f"no sharding plan keeps model states within amsp.planner.state_budget_gib = "
+                    f"{smallest.state_budget / GIB:.3g} GiB per rank: the smallest-memory plan "
+                    f"{plan_label(smallest.plan)} holds {smallest.model_state_bytes / GIB:.3g} GiB of params, "
+                    f"grads and optimizer states. Raise or unset the budget, or use {more}")
+        over = self.excess_bytes
+        m = smallest.memory
+        parts = ", ".join(f"{k} {m[k] / GIB:.2f}" for k in MEMORY_PARTS)
+        states, act = smallest.model_state_bytes, m["activations"]
+        # Model states shrink only by sharding them over more ranks or by model parallelism; shrinking the
+        # activations (recomputation, micro-batch, sequence) is offered when it could close the excess or
+        # they are the larger part (a 7B model's 2.5 of 112 GiB is neither). The larger part's hints first.
+        act_hints = []
+        if recompute != "full":
+            act_hints.append("more activation recomputation (model.activation_checkpointing="
+                             + ("selective or full)" if recompute == "none" else "full)"))
+        if mbs > 1:
+            act_hints.append(f"a smaller micro-batch (trainer.micro_batch_size < {mbs})")
+        act_hints.append("a shorter sequence (data.seq_len)")
+        state_hints = [more, model_parallel]
+        if act < over and act < states:
+            hints = state_hints
+            why = (f"model states (params + grads + optim) are {states / GIB:.2f} GiB and activations only "
+                   f"{act / GIB:.2f}, less than the excess, so recomputation, a smaller micro-batch or a shorter "
+                   f"sequence cannot make it fit. Try: ")
+        else:
+            hints = act_hints + state_hints if act >= states else state_hints + act_hints
+            why = "Try: "
+        return (f"no sharding plan fits in {smallest.device_memory / GIB:.1f} GiB per device: the smallest-memory "
+                f"plan {plan_label(smallest.plan)} needs {smallest.memory_total / GIB:.2f} GiB per rank, "
+                f"{over / GIB:.2f} GiB over ({parts} GiB); {why}" + "; ".join(hints))
 
 
 # ---- machine-readable output (python -m amsp.planner --json) -------------------------------------

@@ -25,9 +25,11 @@ from .from_config import (cluster_spec, cpu_shared_cores, machine_ranks, options
                           with_model_parallel, workload_from_config)
 from .compute_profile import ComputeProfile, measure_profile
 from .allocator import describe_margin
-from .cost_model import overlap_slowdown_of
+from . import exhaustive
+from .cost_model import CostModel, overlap_slowdown_of
 from .probe import apply_points, probe_points, probe_sizes
 from .ilp import SolverError
+from .terms import GroupTerms
 from .workload import Kernels
 from .report import NoFeasiblePlan
 from .solve import plan_cluster
@@ -62,15 +64,27 @@ def plan_for_run(cfg: DictConfig, denv, device: torch.device | str = "cpu",
     r = checked_ranks_per_node(denv.world_size, ranks_per_node(cfg, denv.local_world_size))
     topo = Topology(denv.world_size, r)
     points = probe_for_run(cfg, denv, device)
+    cluster = None
+    if p.measure_compute:  # a plan that cannot fit is said before the compute is timed (which takes minutes)
+        cluster = _on_rank0(denv, lambda: fitting_cluster(cfg, topo, r, denv, device, points, p))
     profile = measured_compute(cfg, denv, device) if p.measure_compute else None
+
+    def solve():  # only rank 0 measures the CPU peak (if needed) and solves
+        spec = cluster or with_probe(cluster_spec(cfg, nodes=topo.nodes, ranks_per_node=r,
+                                                  local_ranks=denv.local_world_size, device=device), points, p)
+        return _solve(cfg, spec, p, run_dir, profile, kernels_for_run(cfg, device))
+
+    return _on_rank0(denv, solve)
+
+
+def _on_rank0(denv, fn):
+    """fn() on rank 0, its result on every rank (broadcast); its error raised on rank 0 and, as the
+    RuntimeError naming it, on the others. Collective when the world has several ranks."""
     box: list = [None]
     error = None
-    if denv.rank == 0:  # only rank 0 measures the CPU peak (if needed) and solves
+    if denv.rank == 0:
         try:
-            cluster = cluster_spec(cfg, nodes=topo.nodes, ranks_per_node=r, local_ranks=denv.local_world_size,
-                                   device=device)
-            cluster = with_probe(cluster, points, p)
-            box[0] = _solve(cfg, cluster, p, run_dir, profile, kernels_for_run(cfg, device))
+            box[0] = fn()
         except (NoFeasiblePlan, ValueError, SolverError) as e:  # tell the other ranks, then raise here
             error, box[0] = e, f"{type(e).__name__}: {e}"
     if denv.world_size > 1 and dist.is_initialized():
@@ -80,6 +94,23 @@ def plan_for_run(cfg: DictConfig, denv, device: torch.device | str = "cpu",
     if isinstance(box[0], str):
         raise RuntimeError(f"the planner failed on rank 0: {box[0]}")
     return box[0]
+
+
+def fitting_cluster(cfg: DictConfig, topo, r: int, denv, device, points, p):
+    """The run's cluster (probe applied), after refusing a run no plan can fit: the smallest-memory plan
+    over device memory is NoFeasiblePlan here, before the compute profile is timed, as memory does not
+    depend on the timings (the planner prices time, not memory, from them)."""
+    cluster = with_probe(cluster_spec(cfg, nodes=topo.nodes, ranks_per_node=r, local_ranks=denv.local_world_size,
+                                      device=device), points, p)
+    w = workload_from_config(cfg, cluster, kernels_for_run(cfg, device))
+    model = CostModel(w, cluster, options_from_config(cfg))
+    smallest = model.evaluate(exhaustive.smallest_memory(GroupTerms.build(model)).plan)
+    # only the device memory is judged here: under a state budget a larger plan may still fit, which the
+    # ILP decides after the timing
+    if smallest.memory_total > smallest.device_memory:
+        smallest.ranks_per_replica = w.tp * w.pp
+        raise NoFeasiblePlan(smallest, w.recompute, w.micro_batch_size, context="train")
+    return cluster
 
 
 def probe_for_run(cfg: DictConfig, denv, device: torch.device):
@@ -200,7 +231,10 @@ def _solve(cfg, cluster, p, run_dir, profile: ComputeProfile | None = None,
     t0 = time.perf_counter()
     w = workload_from_config(cfg, cluster, kernels)
     options = options_from_config(cfg, profile)
-    res = plan_cluster(w, cluster, options, top_k=p.top_k, time_limit_s=p.time_limit_s)
+    try:
+        res = plan_cluster(w, cluster, options, top_k=p.top_k, time_limit_s=p.time_limit_s)
+    except NoFeasiblePlan as e:  # its hints name train.py's keys
+        raise e.in_context("train")
     columns, rows = res.wandb_table()
     text = "\n".join([cluster.describe(overlap_slowdown_of(options, cluster)), w.run_kernels.describe(),
                       describe_margin(options.memory_margin, cluster.device), res.table()])
