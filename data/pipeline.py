@@ -127,8 +127,10 @@ def _build_split(parts: list[tuple[float, IndexedDataset, np.ndarray]], seq_len:
     return BlendedDataset(members, di, dsi), members
 
 
-def _warn_validation_off(split: list[float], too_small: list[str]) -> None:
-    """One WARNING (rank 0 only) when the validation split came out empty: validation is off."""
+def _warn_validation_off(split: list[float], too_small: list[str], held_out: str) -> None:
+    """One WARNING (rank 0 only) when the validation split came out empty: validation is off. It is the
+    only line about the split then (no INFO line saying "validation = ..." after it), and it names the
+    documents the split still holds out of training, which nothing else uses."""
     if int(os.environ.get("RANK", "0")) != 0:
         return
     if len(split) < 2 or not split[1] > 0:
@@ -136,6 +138,8 @@ def _warn_validation_off(split: list[float], too_small: list[str]) -> None:
     else:
         why = (f"too few documents for a validation split with data.split={split}: {', '.join(too_small)} "
                "(each source needs at least 2 documents; add data or raise the validation share)")
+    if held_out:
+        why += f"; the documents drawn for validation are still left out of training: {held_out}"
     log.warning("validation is off: %s", why)
 
 
@@ -143,10 +147,18 @@ def _held_token_share(ind: IndexedDataset, doc_ids: np.ndarray) -> float:
     return float(ind.doc_lengths[doc_ids].sum(dtype=np.int64)) / max(1, ind.num_tokens)
 
 
-def _warn_unbalanced_data(share: float, valid_tokens: dict[str, float], members: list[GPTDataset]) -> None:
+def _repeats(ds: GPTDataset) -> tuple[int, int]:
+    """(tokens, distinct samples) of a split: the samples that start in its first epoch; any further
+    sample starts in a later epoch, over the same documents again."""
+    return int(ds.doc_lengths.sum(dtype=np.int64)), int(ds.epoch_bounds[1])
+
+
+def _warn_unbalanced_data(share: float, valid_tokens: dict[str, float], members: list[GPTDataset],
+                          valid_members: list[GPTDataset]) -> None:
     """WARNINGs (rank 0) for splits that are not what data.split suggests: the split is by documents, so
-    one long document drawn for validation can take most of a small corpus's tokens; and a training split
-    too small for the run's samples is read several times over (the samples repeat)."""
+    one long document drawn for validation can take most of a small corpus's tokens; and a split too small
+    for its samples is read several times over (the samples repeat): training's, and validation's, whose
+    repeated samples make a validation pass look larger than the text it measures."""
     if int(os.environ.get("RANK", "0")) != 0:
         return
     for prefix, got in valid_tokens.items():
@@ -158,6 +170,14 @@ def _warn_unbalanced_data(share: float, valid_tokens: dict[str, float], members:
         if ds.num_epochs > 1:
             log.warning("data: the training split of %s (%d tokens) is read %d times over by the run's %d samples",
                         ds.indexed.prefix, int(ds.doc_lengths.sum(dtype=np.int64)), ds.num_epochs, ds.num_samples)
+    for ds in valid_members:
+        if ds.num_epochs > 1:
+            tokens, distinct = _repeats(ds)
+            log.warning("data: the validation split of %s (%d tokens) holds %d distinct samples of %d+1 tokens "
+                        "and is read %d times over by its %d samples: a validation pass of more than %d samples "
+                        "repeats them (add documents, raise data.split's validation share, or lower "
+                        "data.valid_samples and trainer.val_samples)", ds.indexed.prefix, tokens, distinct,
+                        ds.seq_len, ds.num_epochs, ds.num_samples, distinct)
 
 
 def build_data(cfg: Any, *, seq_len: int, seed: int, train_samples: int, model_vocab_size: int) -> TrainData:
@@ -186,19 +206,30 @@ def build_data(cfg: Any, *, seq_len: int, seed: int, train_samples: int, model_v
         else:
             too_small.append(f"{prefix} ({ind.num_docs} documents)")
     train, members = _build_split(train_parts, seq_len, train_samples, seed, cache, "train")
-    valid = None
+    valid_tokens = {ind.prefix: _held_token_share(ind, rng) for _, ind, rng in valid_parts}
+    held = ", ".join(f"{p}: {n} documents" + (f", {valid_tokens[p]:.2%} of its tokens" if n else "")
+                     for p, n in valid_docs.items())
+    valid, valid_members = None, []
     if cfg.valid_samples > 0 and len(valid_parts) == len(train_parts):
-        valid, _ = _build_split(valid_parts, seq_len, cfg.valid_samples, seed, cache, "valid")
+        valid, valid_members = _build_split(valid_parts, seq_len, cfg.valid_samples, seed, cache, "valid")
     elif cfg.valid_samples > 0:
-        _warn_validation_off(list(cfg.split), too_small)
+        _warn_validation_off(list(cfg.split), too_small,
+                             ", ".join(f"{p}: {n} documents, {valid_tokens[p]:.2%} of its tokens"
+                                       for p, n in valid_docs.items() if n))
+        valid_tokens = {}  # their share of the tokens is in that one warning
     entropy = unigram_entropy(members, [w for w, _, _ in train_parts], tok.vocab_size)
     if not math.isfinite(entropy):
         raise DataError("data", "unigram entropy of the training tokens is not finite")
     split = {"split": [float(x) for x in cfg.split], "split_seed": split_seed, "valid_documents": valid_docs}
     share = cfg.split[1] / sum(cfg.split) if len(cfg.split) > 1 else 0.0
-    valid_tokens = {ind.prefix: _held_token_share(ind, rng) for _, ind, rng in valid_parts}
-    log.info("data: validation = a random %.2f%% of the documents drawn with data.split_seed=%d (%s)", 100 * share,
-             split_seed, ", ".join(f"{p}: {n} documents" + (f", {valid_tokens[p]:.2%} of its tokens" if n else "")
-                                   for p, n in valid_docs.items()))
-    _warn_unbalanced_data(share, valid_tokens, members)
+    if valid is not None:
+        log.info("data: validation = a random %.2f%% of the documents drawn with data.split_seed=%d (%s)",
+                 100 * share, split_seed, held)
+    elif cfg.valid_samples <= 0 and any(valid_docs.values()):
+        # No validation set was asked for, yet data.split still holds these documents out of training.
+        log.info("data: no validation set (data.valid_samples=%d); data.split=%s still holds out a random %.2f%% "
+                 "of the documents from training, drawn with data.split_seed=%d (%s)", cfg.valid_samples,
+                 list(cfg.split), 100 * share, split_seed, held)
+    # else: validation is off for lack of documents, said once by _warn_validation_off
+    _warn_unbalanced_data(share, valid_tokens, members, valid_members)
     return TrainData(tok, padded, train, valid, entropy, specs, split, sizes)

@@ -37,6 +37,7 @@ from amsp.errors import one_line_errors
 from amsp.pid import pid_alive
 from data.errors import DataError
 from data.indexed_dataset import IndexedDatasetWriter, token_dtype
+from data.outdir import make_parent, remove_if_empty
 from data.progress import Progress
 from data.sources import SourceTally, iter_documents
 from data.tokenizer import Tokenizer
@@ -177,22 +178,33 @@ def remove_stale_temp_files(prefix: str, min_age_s: float = 60.0) -> list[str]:
 
 
 def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str, *, text_field: str = "text",
-               workers: int = 1, split: str = "train", text_sample_by: str = "document",
+               workers: int = 1, split: str | None = None, text_sample_by: str = "document",
                chunk_docs: int = 64, chunk_chars: int = 1 << 20, progress: bool = True,
                progress_every: float = 30.0) -> PreprocessStats:
     """Tokenize `inputs` into OUTPUT_PREFIX.{bin,idx,json}; returns counts and timing.
 
     progress: a throughput line on stderr (data/progress.py); progress_every: seconds between lines
-    when stderr is not a terminal."""
+    when stderr is not a terminal (> 0; progress=False turns the lines off). split: the split of a hub
+    dataset or saved DatasetDict (None: "train"; an error where no input has splits)."""
     if workers < 1:
         raise DataError("--workers", f"must be >= 1, got {workers}")
+    if not progress_every > 0:  # 0 or less would mean a line per chunk of documents; NaN never compares
+        raise DataError("--progress-every", f"must be > 0 seconds, got {progress_every:g} (--no-progress turns "
+                                            "the progress lines off)")
     output_prefix = dataset_prefix(output_prefix)
     remove_stale_temp_files(output_prefix)
     tok = Tokenizer(tokenizer_model)
     dtype = token_dtype(tok.vocab_size)
     tally: dict[str, SourceTally] = {}
     docs = iter_documents(inputs, text_field=text_field, split=split, text_sample_by=text_sample_by, tally=tally)
-    writer = IndexedDatasetWriter(output_prefix, dtype)
+    # Created only now, after the arguments and the tokenizer checked out; removed again below if the
+    # run fails and leaves it empty.
+    created = make_parent(output_prefix, "--output-prefix")
+    try:
+        writer = IndexedDatasetWriter(output_prefix, dtype)
+    except BaseException:
+        remove_if_empty(created)
+        raise
     # fork keeps worker start-up cheap (the workers only need sentencepiece); spawn elsewhere.
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     t0 = time.perf_counter()
@@ -223,7 +235,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str, 
             raise
         _stop_pool(pool, window, graceful=True)
         skipped = {src: t.skipped for src, t in tally.items() if t.skipped}
-        _report_skipped(skipped, writer.num_docs, text_field)
+        _report_skipped(tally, writer.num_docs, text_field, text_sample_by)
         if writer.num_docs == 0:
             raise DataError(",".join(inputs), f"empty input: no document has text in field {text_field!r}"
                                               + (f" ({sum(skipped.values())} records with null or empty text)"
@@ -233,6 +245,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str, 
         writer.finalize()
     except BaseException:
         writer.abort()
+        remove_if_empty(created)
         raise
     finally:
         bar.close()
@@ -251,13 +264,26 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str, 
     return stats
 
 
-def _report_skipped(skipped: dict[str, int], written: int, text_field: str) -> None:
+def _skip_reasons(tally: dict[str, SourceTally], text_field: str, text_sample_by: str) -> list[str]:
+    """What was skipped, in words that fit each kind of source: a record's text field for JSON, Parquet,
+    ...; an empty file, line or paragraph for plain text, which has no field."""
+    empty = {"document": "empty text files", "line": "empty lines of text files",
+             "paragraph": "empty paragraphs of text files"}[text_sample_by]
+    reasons = []
+    for text_kind, what in ((False, f"records whose {text_field!r} field was null, missing or empty"),
+                            (True, empty)):
+        per = {src: t.skipped for src, t in tally.items() if t.skipped and (t.builder == "text") == text_kind}
+        if per:
+            reasons.append(f"{sum(per.values())} {what} ({', '.join(f'{src}: {n}' for src, n in per.items())})")
+    return reasons
+
+
+def _report_skipped(tally: dict[str, SourceTally], written: int, text_field: str, text_sample_by: str) -> None:
     """One WARNING line counting the records dropped for null/empty text, per file (never silent)."""
-    total = sum(skipped.values())
+    total = sum(t.skipped for t in tally.values())
     if total:
-        per = ", ".join(f"{src}: {n}" for src, n in skipped.items())
-        log.warning("skipped %d of %d records whose %r text was null, missing or empty (%s)", total,
-                    total + written, text_field, per)
+        log.warning("skipped %d of %d records with no text: %s", total, total + written,
+                    "; ".join(_skip_reasons(tally, text_field, text_sample_by)))
 
 
 def read_metadata(prefix: str) -> dict | None:
@@ -295,12 +321,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                     "tiktoken BPE file (python -m data.tokenizer trains a .model)")
     ap.add_argument("--text-field", default="text", help="the column/key holding each document's text")
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
-    ap.add_argument("--split", default="train", help="split of a hub dataset or a saved DatasetDict")
+    ap.add_argument("--split", default=None, help="split of a hub dataset or a saved DatasetDict (default: train; "
+                    "an error for inputs without splits)")
     ap.add_argument("--text-sample-by", default="document", choices=["document", "line", "paragraph"],
                     help="how plain-text files are cut into documents")
     ap.add_argument("--no-progress", action="store_true", help="no throughput lines on stderr")
     ap.add_argument("--progress-every", type=float, default=30.0, metavar="SECONDS",
-                    help="seconds between throughput lines when stderr is not a terminal (a job log)")
+                    help="seconds (> 0) between throughput lines when stderr is not a terminal (a job log)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     previous = signal.signal(signal.SIGTERM, _raise_terminated)

@@ -46,6 +46,7 @@ class SourceTally:
 
     documents: int = 0
     skipped: int = 0
+    builder: str = ""  # how the source is read ("json", "text", "parquet", ...): the skip warning's wording
 
 
 def builder_for(path: str) -> str | None:
@@ -208,13 +209,44 @@ def _whole_document_error(path: str) -> tuple[int, str] | None:
         line = data.count(b"\n", 0, e.start) + 1
         return line, _undecodable(line, e.start, e, path)
     except ValueError as e:
-        return e.lineno, f"line {e.lineno} is not valid JSON: {e.msg} at column {e.colno}"
+        return e.lineno, _not_json(e.lineno, e)
     return None
 
 
-def _first_bad_line(path: str, parse_json: bool) -> str | None:
+def _not_json(line: int, e: json.JSONDecodeError) -> str:
+    # Some of json's messages end in "at" ("Unterminated string starting at"): no second "at" then.
+    at = "" if e.msg.endswith(" at") else " at"
+    return f"line {line} is not valid JSON: {e.msg}{at} column {e.colno}"
+
+
+def _json_kind(value) -> str:
+    return {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(value), "null")
+
+
+def _is_text(value) -> bool:
+    """What iter_documents takes or counts as skipped: a string, or null/missing."""
+    return value is None or isinstance(value, str)
+
+
+def _not_text(field: str, value) -> str:
+    try:
+        shown = json.dumps(value)
+    except (TypeError, ValueError):  # bytes, a timestamp, an array from Parquet: no JSON spelling
+        shown = repr(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    return f"field {field!r} holds {type(value).__name__} {shown}, not text"
+
+
+def _is_jsonl(path: str) -> bool:
+    name = path.lower()
+    return any(name.endswith(".jsonl" + c) for c in _COMPRESSIONS)
+
+
+def _first_bad_line(path: str, parse_json: bool, field: str | None = None) -> str | None:
     """Where a file that `datasets` could not read first goes wrong, found by reading it again line by
     line: the problem with its line number, or None when every line reads (the failure was something else).
+    With `field`, a record whose field holds neither text nor null is a problem too (the line of a
+    non-text value that iter_documents met).
     `datasets` names a JSON error by the row of an internal read block and a decoding error by the
     byte of a chunk, neither of which leads to the line to fix. Runs only after a failure."""
     offset = 0
@@ -229,7 +261,7 @@ def _first_bad_line(path: str, parse_json: bool) -> str | None:
             if not parse_json or not line.strip():
                 continue
             try:
-                json.loads(line)
+                value = json.loads(line)
             except ValueError as e:
                 if not seen_json:
                     # A .json file may be one document over many lines ("[" alone on line 1 is no
@@ -237,17 +269,40 @@ def _first_bad_line(path: str, parse_json: bool) -> str | None:
                     whole = _whole_document_error(path)
                     if whole is None or whole[0] > n:
                         return None if whole is None else whole[1]
-                return f"line {n} is not valid JSON: {e.msg} at column {e.colno}"
+                return _not_json(n, e)
+            if not isinstance(value, dict):
+                # Valid JSON that is no record: `datasets` names it by an internal column ("Column()
+                # changed from object to string in row 0"). A .json file may be one document whose
+                # first line is a complete value only if the whole file is that value: not a bad line.
+                if not seen_json and not _is_jsonl(path) and _whole_document_error(path) is None:
+                    return None
+                return (f"line {n} is a JSON {_json_kind(value)}, not an object: each line of a JSON Lines file "
+                        "must be one {...} record")
+            if field is not None and not _is_text(value.get(field)):
+                return f"line {n}: {_not_text(field, value[field])}"
             seen_json = True
     return None
 
 
-def _read_error(source: str, builder: str, e: Exception) -> DataError:
+def _non_text_error(source: str, builder: str, field: str, value, record: int) -> DataError:
+    """A text field holding a number, list, ...: named by its line in a local JSON file (found by reading
+    the file again), else by its record number in the source (1 = the first record)."""
+    where = None
+    if builder == "json" and os.path.isfile(source):
+        try:
+            where = _first_bad_line(source, parse_json=True, field=field)
+        except Exception as scan_error:  # noqa: BLE001 - the record number below still names it
+            log.debug("%s: rescanning for a non-text value failed: %s", source, scan_error)
+    return DataError(source, where or f"record {record}: {_not_text(field, value)}")
+
+
+def _read_error(source: str, builder: str, e: Exception, field: str | None = None) -> DataError:
     where = None
     if builder in ("json", "text") and os.path.isfile(source) and (builder == "json"
                                                                   or isinstance(e, UnicodeDecodeError)):
         try:
-            where = _first_bad_line(source, parse_json=builder == "json")
+            # the field too: a text value of another type can fail `datasets`' read of a file as a whole
+            where = _first_bad_line(source, parse_json=builder == "json", field=field if builder == "json" else None)
         except Exception as scan_error:  # noqa: BLE001 - e.g. a corrupt archive: the first error stands
             log.debug("%s: rescanning after a read error failed: %s", source, scan_error)
     if where:
@@ -286,12 +341,17 @@ def _quietly(batches: Iterator[list]) -> Iterator[list]:
         yield batch
 
 
-def iter_documents(inputs: Sequence[str], text_field: str = "text", split: str = "train",
+def _reads_split(source: str, builder: str) -> bool:
+    return builder == HUB or (builder == SAVED and os.path.isfile(os.path.join(source, "dataset_dict.json")))
+
+
+def iter_documents(inputs: Sequence[str], text_field: str = "text", split: str | None = None,
                    text_sample_by: str = "document", tally: dict[str, SourceTally] | None = None) -> Iterator[str]:
     """Yield the text of every document, in input order.
 
     Plain-text files are one document per file by default (text_sample_by="document"); "line" and
-    "paragraph" split them further. `split` picks the split of a hub dataset or a saved DatasetDict.
+    "paragraph" split them further. `split` picks the split of a hub dataset or a saved DatasetDict
+    (None: "train"); given for inputs none of which has splits, it is an error rather than ignored.
     Records whose text is null, missing or empty are skipped; `tally`, when given, receives per source
     (in input order) the documents yielded and the records skipped, so the caller can report them.
     """
@@ -300,12 +360,23 @@ def iter_documents(inputs: Sequence[str], text_field: str = "text", split: str =
     import datasets
 
     datasets.disable_progress_bars()
-    for source, builder in resolve_inputs(inputs):
+    sources = resolve_inputs(inputs)
+    if split is not None and not any(_reads_split(src, b) for src, b in sources):
+        raise DataError("--split", f"{split!r} is only read from hub datasets and folders saved from a DatasetDict; "
+                                   f"{', '.join(src for src, _ in sources[:3])}{', ...' if len(sources) > 3 else ''}"
+                                   " has no splits (drop --split)")
+    split = "train" if split is None else split
+    for source, builder in sources:
         counts = tally.setdefault(source, SourceTally()) if tally is not None else SourceTally()
+        counts.builder = builder
         field = "text" if builder == "text" else text_field
         try:
             if builder in ("json", "text") and _holds_no_bytes(source):
-                continue  # no documents (and datasets cannot infer a schema from nothing)
+                # No records (and datasets cannot infer a schema from nothing). An empty text file read one
+                # document per file is one empty document: skipped and counted, as an empty record is.
+                if builder == "text" and text_sample_by == "document":
+                    counts.skipped += 1
+                continue
             batches = (_saved_batches(source, field, split) if builder == SAVED
                        else _streamed_batches(source, builder, field, split, text_sample_by))
             for texts in _quietly(batches):
@@ -314,10 +385,10 @@ def iter_documents(inputs: Sequence[str], text_field: str = "text", split: str =
                         counts.skipped += 1
                         continue
                     if not isinstance(text, str):
-                        raise DataError(source, f"field {field!r} holds {type(text).__name__}, not text")
+                        raise _non_text_error(source, builder, field, text, counts.documents + counts.skipped + 1)
                     counts.documents += 1
                     yield text
         except DataError:
             raise
         except Exception as e:  # noqa: BLE001 - re-raised as one line naming the file
-            raise _read_error(source, builder, e) from None
+            raise _read_error(source, builder, e, field) from None

@@ -8,6 +8,7 @@ default), a text is encoded with a "▁" (space) in front: " x" is "▁▁x".
 from __future__ import annotations
 
 import os
+import re
 from typing import Iterable, Sequence
 
 import sentencepiece as spm
@@ -122,12 +123,48 @@ def sentencepiece_to_hf(sp: spm.SentencePieceProcessor, name: str = "sentencepie
 MAX_SENTENCE_BYTES = 16384
 
 
+SPECIAL_PIECES = 4  # pad, unk, bos, eos (ids 0..3)
+BYTE_PIECES = 256  # <0x00>..<0xFF>, with byte fallback
+
+
+def min_vocab_size(byte_fallback: bool) -> int:
+    """The smallest vocabulary sentencepiece can train here, whatever the text: the special pieces, the
+    byte pieces with byte fallback, and one character. Its real floor is higher: every character of the
+    text (those covering 99.95% of it) needs a piece of its own, so text with C characters needs
+    SPECIAL_PIECES (+ BYTE_PIECES) + C; train_bpe names that number when it is missed."""
+    return SPECIAL_PIECES + (BYTE_PIECES if byte_fallback else 0) + 1
+
+
+def _floor_explained(byte_fallback: bool) -> str:
+    return (f"{SPECIAL_PIECES} special pieces" + (f" + {BYTE_PIECES} byte pieces" if byte_fallback else "")
+            + " + one piece per distinct character of the text")
+
+
+def check_vocab_size(vocab_size: int, byte_fallback: bool, key: str) -> None:
+    """The floor that holds for any text (sentencepiece's own error for 0 or 100 is an INTERNAL check)."""
+    floor = min_vocab_size(byte_fallback)
+    if vocab_size < floor:
+        raise DataError(key, f"{vocab_size} is too small: a tokenizer needs at least {floor} pieces "
+                             f"({_floor_explained(byte_fallback)})")
+
+
+# sentencepiece's check: "Vocabulary size is smaller than required_chars. 100 vs 287."
+_REQUIRED_CHARS = re.compile(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)")
+
+
+# and: "Vocabulary size too high (2000). Please set it to a value <= 432."
+_TOO_HIGH = re.compile(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)")
+
+
 def train_bpe(input_files: Sequence[str], model_prefix: str, vocab_size: int, *, byte_fallback: bool = True,
-              max_sentences: int = 2_000_000, threads: int | None = None) -> str:
+              max_sentences: int = 2_000_000, threads: int | None = None, vocab_key: str = "vocab_size") -> str:
     """Train a BPE model from plain-text files (one sentence per line); returns the .model path.
 
-    Written under a temporary prefix and renamed, so a cache never holds half a model.
+    Written under a temporary prefix and renamed, so a cache never holds half a model. A vocabulary too
+    small for sentencepiece is one line naming `vocab_key` and the smallest size that works.
     """
+    check_vocab_size(vocab_size, byte_fallback, vocab_key)
+    floor = min_vocab_size(byte_fallback)
     for f in input_files:
         if not os.path.isfile(f):
             raise DataError(f, "tokenizer training input not found")
@@ -145,6 +182,15 @@ def train_bpe(input_files: Sequence[str], model_prefix: str, vocab_size: int, *,
     try:
         spm.SentencePieceTrainer.train(**kwargs)
     except RuntimeError as e:
+        m = _REQUIRED_CHARS.search(str(e))
+        if m:
+            need = int(m.group(2))
+            raise DataError(vocab_key, f"{vocab_size} is too small for this text: it needs at least {need} pieces "
+                                       f"({_floor_explained(byte_fallback)}: {need - floor + 1} characters)") from None
+        m = _TOO_HIGH.search(str(e))
+        if m:  # BPE merges run out on a small text: the size it could reach
+            raise DataError(vocab_key, f"{vocab_size} is more pieces than this text yields: at most {m.group(1)} "
+                                       "(give more text or a smaller size)") from None
         raise DataError(model_prefix, f"sentencepiece training failed: {e}") from None
     os.replace(tmp + ".model", model_prefix + ".model")
     os.replace(tmp + ".vocab", model_prefix + ".vocab")

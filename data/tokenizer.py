@@ -23,7 +23,8 @@ from typing import Sequence
 from amsp.errors import one_line_errors
 from data.errors import DataError
 from data.tok_base import DOCUMENT_FORMAT, EXPECTED_KINDS, Tokenizer  # noqa: F401 - DOCUMENT_FORMAT re-exported
-from data.tok_sentencepiece import MAX_SENTENCE_BYTES, train_bpe  # noqa: F401 - train_bpe re-exported
+from data.outdir import make_parent, remove_if_empty
+from data.tok_sentencepiece import MAX_SENTENCE_BYTES, check_vocab_size, train_bpe  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 def _looks_like_tiktoken(head: bytes) -> bool:
@@ -137,6 +138,15 @@ def write_training_text(inputs: Sequence[str], out_file: str, text_field: str = 
     return n
 
 
+def count_sentences(text_file: str) -> int:
+    """The non-empty lines of a training text: the sentences sentencepiece loads (it skips empty ones)."""
+    n = 0
+    with open(text_file, "rb") as f:
+        for line in f:
+            n += line != b"\n"
+    return n
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """python -m data.tokenizer --input corpus.jsonl [more files or folders] --prefix out/tok --vocab-size 32000"""
     import argparse
@@ -148,18 +158,35 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--vocab-size", type=int, required=True)
     ap.add_argument("--text-field", default="text", help="field holding the text in JSONL/Parquet records")
     ap.add_argument("--no-byte-fallback", action="store_true")
-    ap.add_argument("--max-sentences", type=int, default=2_000_000, help="lines sampled for training")
+    ap.add_argument("--max-sentences", type=int, default=2_000_000,
+                    help="at most this many lines, sampled at random, are trained on (0: all lines)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     inputs = [p for item in a.input for p in item.split(",") if p]
     with one_line_errors():  # a DataError is one line on stderr and exit code 2, as in data.preprocess
-        os.makedirs(os.path.dirname(os.path.abspath(a.prefix)), exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(a.prefix))) as tmp:
-            text_file = os.path.join(tmp, "documents.txt")
-            docs = write_training_text(inputs, text_file, a.text_field)
-            log.info("training on %d documents (%.1f MB of text)", docs, os.path.getsize(text_file) / 1e6)
-            path = train_bpe([text_file], a.prefix, a.vocab_size, byte_fallback=not a.no_byte_fallback,
-                             max_sentences=a.max_sentences)
+        # Checked before any input is read; the floor that depends on the text is checked by train_bpe.
+        check_vocab_size(a.vocab_size, not a.no_byte_fallback, "--vocab-size")
+        if not (a.max_sentences == 0 or a.max_sentences > 100):  # sentencepiece's own INTERNAL check
+            raise DataError("--max-sentences", f"must be 0 (all lines) or more than 100 (sentencepiece's minimum "
+                                               f"sample), got {a.max_sentences}")
+        created = make_parent(a.prefix, "--prefix")
+        try:
+            with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(a.prefix))) as tmp:
+                text_file = os.path.join(tmp, "documents.txt")
+                docs = write_training_text(inputs, text_file, a.text_field)
+                lines = count_sentences(text_file)
+                log.info("training on %d documents (%.1f MB of text, %d lines)", docs,
+                         os.path.getsize(text_file) / 1e6, lines)
+                if 0 < a.max_sentences < lines:
+                    # sentencepiece samples silently: the vocabulary then comes from part of the text only.
+                    log.warning("sentencepiece trains on a random sample of %d of the %d lines (--max-sentences "
+                                "%d; raise it, or 0, to train on all of them)", a.max_sentences, lines,
+                                a.max_sentences)
+                path = train_bpe([text_file], a.prefix, a.vocab_size, byte_fallback=not a.no_byte_fallback,
+                                 max_sentences=a.max_sentences, vocab_key="--vocab-size")
+        except BaseException:
+            remove_if_empty(created)
+            raise
     print(f"wrote {path} ({load_tokenizer(path).vocab_size} pieces, from {docs} documents)")
 
 

@@ -188,7 +188,8 @@ def test_null_and_empty_text_records_are_counted_not_silently_dropped(tmp_path, 
         stats = preprocess([str(src)], prefix, tokenizer_model, progress=False)
     assert stats.documents == 2 and stats.skipped_empty == 3
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warnings == [f"skipped 3 of 5 records whose 'text' text was null, missing or empty ({src}: 3)"]
+    assert warnings == [f"skipped 3 of 5 records with no text: 3 records whose 'text' field was null, missing or "
+                        f"empty ({src}: 3)"]
     assert json.load(open(prefix + ".json"))["skipped_empty"] == 3
     assert IndexedDataset(prefix).num_docs == 2
     # nothing but null/empty text: the error says how many records were skipped
