@@ -61,7 +61,9 @@ def test_help_outside_a_job_prints_the_usage_and_succeeds(script, flag, tmp_path
     assert called == ""
 
 
-@pytest.mark.parametrize("args", [["--help"], ["model=debug", "-h"]], ids=["help", "h-after-an-override"])
+# Hydra's --cfg / --info print and exit 0 as --help does: the job would end COMPLETED having trained nothing
+@pytest.mark.parametrize("args", [["--help"], ["model=debug", "-h"], ["model=debug", "--cfg=job"], ["--info"]],
+                         ids=["help", "h-after-an-override", "cfg", "info"])
 @pytest.mark.parametrize("script", JOB_SCRIPTS)
 def test_help_inside_a_job_is_refused_before_anything_starts(script, args, tmp_path):
     r, called = _run(script, *args, env={"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "pretrain"}, tmp_path=tmp_path)
@@ -69,6 +71,7 @@ def test_help_inside_a_job_is_refused_before_anything_starts(script, args, tmp_p
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith(f"{script}: error: '{args[-1]}' reached the job (SLURM_JOB_ID=4242)"), last
     assert "Hydra overrides for train.py" in last and f"bash scripts/slurm/{script} --help" in last, last
+    assert "would only make Hydra print and exit 0" in last, last
     assert "usage:" in r.stderr and r.stdout == ""  # the usage goes to the job's log too
     assert called == "", called  # neither scontrol nor srun nor python ran: train.py never saw --help
 
