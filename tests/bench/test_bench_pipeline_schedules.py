@@ -9,6 +9,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+# Slow (the suite's time budget): zero bubble's equality with 1F1B runs in the default run in-process
+# (tests/parallel/test_pp_engine.py), and the script's flags are checked by tests/test_benchmarks_commands.py.
+@pytest.mark.slow
 def test_small_run_reports_both_schedules_with_equal_losses(tmp_path):
     md = tmp_path / "s.md"
     proc = subprocess.run([sys.executable, "scripts/bench/bench_pipeline_schedules.py", "--rounds", "1", "--steps", "3",
