@@ -236,6 +236,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str, 
         _stop_pool(pool, window, graceful=True)
         skipped = {src: t.skipped for src, t in tally.items() if t.skipped}
         _report_skipped(tally, writer.num_docs, text_field, text_sample_by)
+        _report_empty_sources(tally)
         if writer.num_docs == 0:
             raise DataError(",".join(inputs), f"empty input: no document has text in field {text_field!r}"
                                               + (f" ({sum(skipped.values())} records with null or empty text)"
@@ -284,6 +285,15 @@ def _report_skipped(tally: dict[str, SourceTally], written: int, text_field: str
     if total:
         log.warning("skipped %d of %d records with no text: %s", total, total + written,
                     "; ".join(_skip_reasons(tally, text_field, text_sample_by)))
+
+
+def _report_empty_sources(tally: dict[str, SourceTally]) -> None:
+    """One WARNING line naming the inputs that held no record at all (an empty JSONL file, an empty text
+    file read by line): nothing was skipped from them, so the skip count above does not show them."""
+    empty = [src for src, t in tally.items() if t.documents == 0 and t.skipped == 0]
+    if empty:
+        log.warning("%d input(s) held no records at all: %s%s", len(empty), ", ".join(empty[:5]),
+                    f" and {len(empty) - 5} more" if len(empty) > 5 else "")
 
 
 def read_metadata(prefix: str) -> dict | None:

@@ -169,6 +169,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         if not (a.max_sentences == 0 or a.max_sentences > 100):  # sentencepiece's own INTERNAL check
             raise DataError("--max-sentences", f"must be 0 (all lines) or more than 100 (sentencepiece's minimum "
                                                f"sample), got {a.max_sentences}")
+        if os.path.basename(a.prefix) in ("", ".", ".."):  # `tok/` would write the hidden tok/.model
+            raise DataError("--prefix", f"{a.prefix!r} has no file name; give DIR/NAME to write DIR/NAME.model and "
+                                        f"DIR/NAME.vocab")
         created = make_parent(a.prefix, "--prefix")
         try:
             with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(a.prefix))) as tmp:

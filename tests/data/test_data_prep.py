@@ -63,7 +63,7 @@ def test_jsonl_compressed_jsonl_parquet_and_saved_datasets_in_one_folder(tmp_pat
     pq.write_table(pa.table({"body": parts["d"], "n": [1, 2, 3]}), folder / "d.parquet")
     datasets.Dataset.from_dict({"body": parts["e"], "n": [1, 2, 3]}).save_to_disk(str(folder / "sub" / "e_saved"))
     with gzip.open(folder / "f_empty.jsonl.gz", "wt"):
-        pass  # decompresses to nothing: no documents, no error
+        pass  # decompresses to nothing: no documents, no error, named in a warning
     (folder / "README.md").write_text("not data")
     (folder / ".hidden.jsonl").write_text("{}\n")
     with caplog.at_level(logging.WARNING, logger="data.sources"):
@@ -76,7 +76,8 @@ def test_jsonl_compressed_jsonl_parquet_and_saved_datasets_in_one_folder(tmp_pat
         ("a.jsonl", 3), ("b.jsonl.gz", 3), ("c.jsonl.zst", 3), ("d.parquet", 3), ("f_empty.jsonl.gz", 0),
         ("e_saved", 3)]
     warned = [r.getMessage() for r in caplog.records]
-    assert len(warned) == 1 and "ignoring 1 file(s) of unknown type" in warned[0] and "README.md" in warned[0]
+    assert len(warned) == 2 and "ignoring 1 file(s) of unknown type" in warned[0] and "README.md" in warned[0]
+    assert warned[1] == f"1 input(s) held no records at all: {folder / 'f_empty.jsonl.gz'}", warned
     # a saved DatasetDict: --split picks the split; a missing one names those that exist
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": parts["a"]}),
                           "validation": datasets.Dataset.from_dict({"text": parts["b"]})}).save_to_disk(

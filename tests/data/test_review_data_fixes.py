@@ -136,6 +136,19 @@ def test_empty_text_file_is_counted(tmp_path, tokenizer_model, caplog):
     assert stats.skipped_empty == 0
 
 
+def test_an_input_without_any_record_is_named(tmp_path, tokenizer_model, caplog):
+    """An empty JSONL file (or an empty text file read by line) gave 0 documents and no warning: nothing was
+    skipped from it, so only PREFIX.json's per-source counts showed it."""
+    (tmp_path / "none.jsonl").write_text("")
+    (tmp_path / "a.jsonl").write_text('{"text": "hello world"}\n')
+    inputs = [str(tmp_path / n) for n in ("none.jsonl", "a.jsonl")]
+    with caplog.at_level(logging.WARNING, logger="data.preprocess"):
+        stats = preprocess(inputs, str(tmp_path / "o"), tokenizer_model, progress=False)
+    assert stats.documents == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == [f"1 input(s) held no records at all: {inputs[0]}"], warnings
+
+
 # 5. JSON that is no record, and text fields holding numbers, are named by file and line.
 @pytest.mark.parametrize("lines, where", [
     (['{"text": "a"}', '[1, 2]'], "line 2 is a JSON array, not an object"),
@@ -210,6 +223,17 @@ def test_tokenizer_refuses_bad_sizes_in_one_line(tmp_path, capsys, argv, expect)
     code, err = _cli_error(capsys, tokenizer_main, args)
     assert code == 2 and len(err.splitlines()) == 1 and expect in err and "INTERNAL" not in err, err
     assert not os.path.exists(tmp_path / "out")  # the directory it made is removed again
+
+
+@pytest.mark.parametrize("prefix", ["tok/", "tok/.", "."])
+def test_tokenizer_prefix_without_a_file_name_is_refused(tmp_path, capsys, monkeypatch, prefix):
+    """`--prefix tok/` wrote the hidden files tok/.model and tok/.vocab (data.preprocess refuses `out/`)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.txt").write_text("The quick brown fox jumps over the lazy dog.\n" * 20)
+    code, err = _cli_error(capsys, tokenizer_main, ["--input", "t.txt", "--prefix", prefix, "--vocab-size", "300"])
+    assert code == 2 and err == (f"input error: --prefix: {prefix!r} has no file name; give DIR/NAME to write "
+                                 "DIR/NAME.model and DIR/NAME.vocab"), err
+    assert sorted(os.listdir(tmp_path)) == ["t.txt"]
 
 
 def test_train_bpe_names_the_text_floor(tmp_path):
