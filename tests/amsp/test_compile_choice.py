@@ -60,6 +60,9 @@ def test_nothing_is_measured_where_auto_is_already_decided(monkeypatch):
     assert resolve_auto_compile(_cfg("parallel.tp=2"), SINGLE, CUDA).model.compile == "auto"  # build.py: off
 
 
+# Slow (the suite's time budget): the decision from the measured times runs in the default run
+# (test_compiled_blocks_are_kept_only_when_measurably_faster and the tests above).
+@pytest.mark.slow
 def test_measured_on_this_device_then_read_from_the_cache(tmp_path, monkeypatch, caplog):
     import torch._dynamo
 

@@ -197,6 +197,9 @@ def test_clock_skew_behind_ddp(tmp_path):
     _stop_case(tmp_path, 4, "ddp", 2, 3, "debug.clock_skew_rank=0", "debug.clock_skew_s=-86400")
 
 
+# Slow (the suite's time budget): the default run keeps a dead and a stopped rank (test_die_ddp_4_ranks,
+# test_sigstop_zero3_4_ranks).
+@pytest.mark.slow
 def test_rank0_dies_store_unreachable(tmp_path):
     """Rank 0 holds the env:// store: survivors say the store is unreachable and still exit 3 in time."""
     run = tmp_path / "rank0"
