@@ -281,12 +281,15 @@ def register_configs() -> None:
     cs.store(name="train_schema", node=TrainConfig)
     for name, preset in PRESETS.items():
         cs.store(group="model", name=name, node=ModelConfig(name=name, **{f.name: getattr(preset, f.name) for f in fields(preset)}))
-    cs.store(group="optim", name="adamw_schema", node=OptimConfig)
-    cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)
-    cs.store(group="data", name="data_schema", node=DataConfig)
-    cs.store(group="logging", name="logging_schema", node=LoggingConfig)
-    cs.store(group="amsp", name="amsp_schema", node=AMSPConfig)
-    cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)
+    # Each group's schema sits at the store's root, not in its group: a group's files extend it through
+    # `/<name>_schema@_here_` in their defaults list. Stored in the group, Hydra offered it as a preset
+    # (train.py --help listed `cluster: ..., cluster_schema, ...`, and `cluster=cluster_schema` composed it).
+    cs.store(name="adamw_schema", node=OptimConfig)
+    cs.store(name="trainer_schema", node=TrainerConfig)
+    cs.store(name="data_schema", node=DataConfig)
+    cs.store(name="logging_schema", node=LoggingConfig)
+    cs.store(name="amsp_schema", node=AMSPConfig)
+    cs.store(name="cluster_schema", node=ClusterConfig)
 
 
 def to_llama_config(model_cfg: Any) -> LlamaConfig:

@@ -189,37 +189,12 @@ def validate_config(cfg: DictConfig, what_if: bool = False) -> None:
         if not ok:
             problems.append(f"{rule.key}={_describe(value)} is not allowed: expected {rule.allowed}")
     problems += unknown_keys(cfg)
-    problems += schema_choices(_hydra_choices())
     problems += _cross_field_problems(cfg)
     problems += _planner_degree_problems(cfg, what_if)
     if not any(p.startswith("model.") for p in problems):  # its divisibility rules would divide by a bad size
         problems += model_shape_problems(cfg)
     if problems:
         raise ConfigError("; ".join(problems))
-
-
-def _hydra_job() -> bool:
-    from hydra.core.hydra_config import HydraConfig
-
-    return HydraConfig.initialized()
-
-
-def _hydra_choices() -> dict:
-    """The option chosen in each config group of the running Hydra job; {} outside one."""
-    if not _hydra_job():
-        return {}
-    from hydra.core.hydra_config import HydraConfig
-
-    return dict(HydraConfig.get().runtime.choices)
-
-
-def schema_choices(choices: dict) -> list[str]:
-    """configs/schema.py stores each group's schema in the group itself (the group's files extend it through
-    their defaults list), so Hydra offers it as an option: `cluster=cluster_schema` composed the bare schema in
-    place of a preset. Refused, naming the group."""
-    return [f"{group}={choice} is not allowed: expected one of the {group} group's presets (train.py --help lists "
-            f"them); {choice} is the schema they extend" for group, choice in choices.items()
-            if isinstance(choice, str) and choice.endswith("_schema") and not group.startswith("hydra")]
 
 
 def unknown_keys(cfg: DictConfig, where: str = "") -> list[str]:

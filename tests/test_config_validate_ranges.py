@@ -1,13 +1,14 @@
-"""The config check holds cluster.*, amsp.planner.*, the built-in tokenizer's size and the group choices to what
+"""The config check holds cluster.*, amsp.planner.* and the built-in tokenizer's size to what
 the code they feed accepts: each value here got past it and failed later (a traceback from the planner, exit 1, or
 a sentencepiece error minutes in), or was replaced silently."""
 import logging
+import os
 
 import pytest
 from omegaconf import OmegaConf
 
 from configs.schema import ModelConfig, TrainConfig
-from configs.validate import BUILTIN_MIN_VOCAB, ConfigError, schema_choices, validate_config
+from configs.validate import BUILTIN_MIN_VOCAB, ConfigError, validate_config
 
 
 def cfg_with(**values):
@@ -126,10 +127,32 @@ def test_bad_bandwidth_table_is_one_config_line():
     validate_config(cfg_with(cluster__intra_node={"all_gather": {"1MiB": 3.0}}))
 
 
-def test_schema_chosen_as_a_group_option_is_refused():
-    assert schema_choices({"cluster": "cpu", "data": "default", "hydra/job_logging": "none", "model": None}) == []
-    (line,) = schema_choices({"cluster": "cluster_schema", "amsp": "default"})
-    assert line.startswith("cluster=cluster_schema is not allowed: expected one of the cluster group's presets"), line
+def test_schemas_are_not_group_options_and_help_names_the_command():
+    """Each group's schema used to sit in its group, so `cluster=cluster_schema` composed the bare schema and
+    train.py --help listed every schema as a preset; the groups' files still extend them."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.object_type import ObjectType
+    from hydra.errors import MissingConfigException
+
+    from configs.schema import ClusterConfig, register_configs
+    from tests.conftest import ROOT
+
+    register_configs()
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base=None):
+        loader = GlobalHydra.instance().config_loader()
+        for group in ("amsp", "cluster", "data", "logging", "optim", "trainer"):
+            options = loader.get_group_options(group, ObjectType.CONFIG)
+            assert options and not [o for o in options if o.endswith("_schema")], (group, options)
+        with pytest.raises(MissingConfigException, match="cluster/cluster_schema"):
+            compose("train", overrides=["cluster=cluster_schema"])
+        cfg = compose("train", overrides=["cluster=h100x8"], return_hydra_config=True)
+        assert OmegaConf.get_type(cfg.cluster) is ClusterConfig and cfg.cluster.name == "h100x8"
+        with pytest.raises(Exception, match="nodez"):  # typed by the schema the preset extends
+            compose("train", overrides=["cluster=h100x8", "cluster.nodez=2"])
+        help_text = cfg.hydra.help.template
+    assert help_text.startswith("python train.py [group=option ...]") and "$APP_CONFIG_GROUPS" in help_text
+    assert "parallel.cluster_file=configs/clusters_mixed/<name>.yaml" in help_text, help_text
 
 
 def test_global_batch_tokens_says_which_batch_it_replaces(caplog):
@@ -161,17 +184,17 @@ def test_launch_shape_replacing_the_clusters_is_said(caplog):
 
 def test_train_py_refuses_them_in_one_line_before_anything_is_built(tmp_path):
     """The one end-to-end check: under train.py's @hydra.main the check sees a training run (planner what-ifs
-    refused) and the group choices (a schema picked as a preset)."""
+    refused)."""
     import subprocess
     import sys
 
     from tests.conftest import ROOT
 
-    proc = subprocess.run([sys.executable, "train.py", "model=debug", "amsp.planner.tp=2", "cluster=cluster_schema",
+    proc = subprocess.run([sys.executable, "train.py", "model=debug", "amsp.planner.tp=2",
                            "cluster.dtype=fp8", f"trainer.output_dir={tmp_path}"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("config error: cluster.dtype='fp8' is not allowed"), lines[0]
-    assert "cluster=cluster_schema is not allowed" in lines[0] and "amsp.planner.tp=2" in lines[0], lines[0]
+    assert "amsp.planner.tp=2" in lines[0], lines[0]
     assert not any(tmp_path.iterdir())
