@@ -123,15 +123,18 @@ class Options:
 
     def __post_init__(self) -> None:
         if not 0 < self.mfu <= 1:
-            raise ValueError(f"assumed MFU must be in (0, 1], got {self.mfu}")
+            raise ValueError(f"assumed MFU (amsp.planner.mfu) must be in (0, 1], got {self.mfu}")
         if self.memory_margin is not None and not 0 <= self.memory_margin < 1:
-            raise ValueError(f"memory margin must be in [0, 1), got {self.memory_margin}")
+            raise ValueError(f"allocator margin (amsp.planner.memory_margin) must be in [0, 1), "
+                             f"got {self.memory_margin}")
         if self.granularity not in ("unit", "tensor"):
             raise ValueError(f"collective granularity {self.granularity!r} is not 'unit' or 'tensor'")
         if self.overlap_slowdown is not None and not 0 <= self.overlap_slowdown <= 1:
-            raise ValueError(f"overlap slowdown must be in [0, 1], got {self.overlap_slowdown}")
+            raise ValueError(f"overlap slowdown (amsp.planner.overlap_slowdown) must be in [0, 1], "
+                             f"got {self.overlap_slowdown}")
         if self.state_budget_bytes is not None and self.state_budget_bytes <= 0:
-            raise ValueError(f"model-state budget must be > 0 bytes, got {self.state_budget_bytes}")
+            raise ValueError(f"model-state budget (amsp.planner.state_budget_gib) must be > 0, "
+                             f"got {self.state_budget_bytes} bytes")
         adam_bytes_per_elem(self.optimizer_kernel)  # a kernel it cannot price is an error here
         if self.spread_window < 1:
             raise ValueError(f"amsp.spread_window={self.spread_window} must be >= 1 (units whose parameter "
