@@ -6,6 +6,9 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # csrc/: the project is not installed there
 
 REQUIRED = ("transformers", "hydra", "omegaconf", "pulp")
 OPTIONAL = ("datasets", "flash_attn", "transformer_engine")
@@ -27,6 +30,14 @@ def main() -> int:
         p = torch.cuda.get_device_properties(i)
         print(f"device {i}: {p.name}, sm_{p.major}{p.minor}, {p.total_memory / 2**30:.1f} GiB, "
               f"{p.multi_processor_count} SMs")
+    # The CUDA kernels build here (nvcc) and the wgrad GEMM links cuBLAS: a missing header shows in this
+    # report rather than as failed tests and an unmeasured kernels part (reported, not required).
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    from csrc.loader import cublas_include_dirs, cuda_build_possible
+
+    print(f"CUDA_HOME {CUDA_HOME}; CUDA kernels buildable: {cuda_build_possible() or 'yes'}; "
+          f"cublas_v2.h in: {cublas_include_dirs() or 'not found (the wgrad GEMM cannot build)'}")
     for mod in REQUIRED + OPTIONAL:
         try:
             m = importlib.import_module(mod)

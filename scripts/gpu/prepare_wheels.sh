@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Downloads into .whl/ (git-ignored) the wheels a GPU machine without package-registry access needs
 # beyond its image (torch, transformers, triton, sentencepiece, safetensors, pytest, hypothesis, numpy,
-# pyarrow, xxhash, ... are there; see DESIGN.md section 5), for CPython 3.12 on manylinux x86-64.
+# pyarrow, xxhash, ... are there; the device tool's README lists the image), for CPython 3.12 on
+# manylinux x86-64.
 # zstandard (a core dependency: .jsonl.zst corpora, data/sources.py) is the one binary wheel among them:
 # without it tests/data/test_data_prep.py fails to import and the GPU check's test part fails.
 # Run it on a machine that reaches the registry, from anywhere in the repository:
@@ -67,7 +68,7 @@ for f in "$DEST"/*.whl; do
   total=$((total + size))
   printf '  %10d  %s\n' "$size" "$(basename "$f")"
 done
-count=$(ls "$DEST"/*.whl | wc -l)
+count=$(find "$DEST" -maxdepth 1 -name "*.whl" | wc -l)
 expected=$(( ${#ORDER[@]} + 1 ))
 awk -v c="$count" -v t="$total" 'BEGIN { printf "total: %d wheels, %d bytes (%.1f MiB)\n", c, t, t / 1048576 }'
 if [ "$count" -ne "$expected" ]; then
