@@ -221,6 +221,11 @@ def run(cfg: DictConfig) -> None:
     mbs = cfg.trainer.micro_batch_size
     if mesh is not None and mesh.pp > 1:  # the schedule's needs of the micro-batch count, before any build
         check_micro_batches(cfg.parallel.schedule, accum, mesh.pp)
+    # An explicit plan (a preset, or amsp.p/g/os) needs nothing of the data: its rules are checked here, before
+    # the data build (tens of seconds for a corpus and its tokenizer), as is the node size on every rank.
+    topology = topology_from(cfg.amsp, denv) if mesh is None else mesh.dp_topology(denv.rank)
+    explicit = joint is None and not (cfg.amsp.plan == "auto" and cfg.amsp.p is None)
+    plan = plan_from_config(cfg.amsp, topology) if explicit else None  # the partitioner's comes after the data
     # Data next, as soon as the batch is known: a problem with files or the tokenizer surfaces before the
     # partitioner's probes and compute timing (tens of seconds) and before any model state exists.
     data = build_data(cfg.data, seq_len=seq_len, seed=cfg.trainer.seed if cfg.data.seed is None else cfg.data.seed,
@@ -228,11 +233,11 @@ def run(cfg: DictConfig) -> None:
     log.info("unigram entropy of the training tokens: %.4f nats (the loss of a model that knows only token "
              "frequencies)", data.unigram_entropy)
     # The sharding plan is chosen (amsp.plan=auto: the partitioner, amsp/planner; probe, ILP, table in
-    # RUN_DIR/plan.txt) or checked before anything is built: a broken rule is named right away.
+    # RUN_DIR/plan.txt) after the data, which the partitioner sees; an explicit plan was checked above.
     planned, switched = None, None
     if joint is not None:
         plan = stage_plan(joint, mesh, denv.rank)
-    elif cfg.amsp.plan == "auto" and cfg.amsp.p is None:
+    elif not explicit:
         planned = plan_for_run(cfg, denv, device, None)
         plan, planned_table = planned.plan, planned.table
         # A resumed run continues on the plan its recheck switched to (RUN_DIR/replan.json), not the prior's.
@@ -244,8 +249,6 @@ def run(cfg: DictConfig) -> None:
                 log.info("planner: resuming with plan %s instead of the startup's %s: %s", switched[0], plan,
                          switched[1])
             plan = switched[0]
-    else:
-        plan = plan_from_config(cfg.amsp, topology_from(cfg.amsp, denv) if mesh is None else mesh.dp_topology(denv.rank))
     # After amsp.planner.recheck_steps steps: measured vs predicted, refit, maybe a better plan (amsp/replan_switch.py).
     replanner = Replanner(cfg, denv, device, planned, plan, run_dir, joint=joint is not None)
     # Checkpoints carry the config with the tokenizer they were trained with (a copy in the run

@@ -35,6 +35,8 @@ def describe_node_override(amsp_cfg, denv: DistEnv) -> str | None:
     r = amsp_cfg.ranks_per_node
     if not r or r == denv.local_world_size:
         return None
+    # A count that does not divide the world is refused here, before it is described: "(0 nodes)" came first
+    checked_ranks_per_node(denv.world_size, r)
     return (f"nodes: amsp.ranks_per_node={r}: every {r} rank(s) are one node for the plan and the collectives "
             f"({denv.world_size // r} nodes), not the launch's {denv.local_world_size} per machine")
 

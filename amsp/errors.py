@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from contextlib import contextmanager
 
 log = logging.getLogger(__name__)
@@ -89,28 +90,46 @@ def one_line_errors(level: str | None = None):
                 record_exit_code(EXIT_BUG)  # the traceback goes to torchrun's error file (train.py's @record)
             raise
         code, kind = known
-        rank = os.environ.get("RANK")
+        rank = _launch_rank()
         prefix = f"rank {rank}: " if rank not in (None, "0") else ""
         for h in logging.getLogger().handlers:
             h.flush()
-        # Every rank checks the same config and fails it alike: rank 0's line says it once (a 64-rank job
-        # printed it 64 times). Other failures can differ between ranks (a file missing on one node): each
-        # rank says its own.
-        if not (prefix and kind == "config error"):
-            # One write of the whole line: ranks share the terminal, and print() writes the newline
-            # separately, which lets another rank's line land in between.
-            sys.stderr.write(f"{prefix}{kind}: {exc}\n")
-            sys.stderr.flush()
-        record_exit_code(code)
+        record_exit_code(code)  # first: a rank stopped while it waits below has still left its code
+        if prefix and kind == "config error":
+            _wait_for_rank_0()
+        # One write of the whole line: ranks share the terminal, and print() writes the newline
+        # separately, which lets another rank's line land in between.
+        sys.stderr.write(f"{prefix}{kind}: {exc}\n")
+        sys.stderr.flush()
         _release_process_groups()
         sys.exit(code)
+
+
+# How long a rank other than 0 holds back its config error (see _wait_for_rank_0); tests set it to 0.
+CONFIG_ERROR_WAIT_S = 5.0
+
+
+def _launch_rank() -> str | None:
+    """This process's rank as the launcher gave it: RANK (torchrun; train.py sets it under srun once the process
+    group starts), else SLURM_PROCID, for a config error found before that (srun starts every rank at once)."""
+    return os.environ.get("RANK") or os.environ.get("SLURM_PROCID")
+
+
+def _wait_for_rank_0() -> None:
+    """Every rank checks the same config and fails it alike, and a 64-rank job printed the line 64 times; but
+    staying silent on ranks other than 0 lost it: when one of them exited first, torchrun's agent (or srun's
+    --kill-on-bad-exit) stopped rank 0 before it wrote its line, and a check that depends on the node (an
+    init_from path or a cluster file missing on one node only) was never said at all. So such a rank waits:
+    if rank 0 fails the same way it exits at once and the launcher stops this rank during the wait (one line);
+    if it did not, this rank's own line follows (never none). Its exit code is recorded before the wait."""
+    time.sleep(CONFIG_ERROR_WAIT_S)
 
 
 def record_exit_code(code: int) -> None:
     """Leave this rank's exit code in AMSP_EXIT_CODE_DIR (file rank<RANK>) when that is set. torchrun ends
     with status 1 whatever its workers' codes were, so a job script that wants to tell an input error (2:
     do not requeue, fix the command) from a fault (3) reads them there (scripts/slurm/common.sh run_step).
-    Best effort: the error line is already written."""
+    Best effort: a failure here must not keep the error line from being written."""
     where = os.environ.get("AMSP_EXIT_CODE_DIR")
     if not where:
         return
