@@ -10,10 +10,11 @@
     python -m amsp.planner --joint model=llama2_70b cluster=h100x8 cluster.nodes=64 ...   # TP x PP x DP x AMSP
     python -m amsp.planner --joint --hetero configs/clusters_mixed/mixed_a100_v100.yaml ...  # mixed nodes
 
-The arguments after the optional mode are Hydra overrides of the same config train.py composes
-(configs/train.yaml); the cluster's shape is cluster.nodes x cluster.ranks_per_node. A plan that
-cannot be read or broken sharding rules are a one-line error with exit status 2. Nothing here
-imports torch (the probe and the compute measurement run inside train.py), so it starts fast.
+The mode (plan, the default, or simulate) may stand anywhere among the arguments; the other bare
+arguments are Hydra overrides of the same config train.py composes (configs/train.yaml); the cluster's
+shape is cluster.nodes x cluster.ranks_per_node. A plan that cannot be read or broken sharding rules
+are a one-line error with exit status 2. Nothing here imports torch (the probe and the compute
+measurement run inside train.py), so it starts fast.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import sys
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from amsp.batch_geometry import batch_geometry
+from amsp.batch_geometry import batch_geometry, requested_global_batch
 from amsp.errors import InputError
 from amsp.parallel.micro_batches import micro_batch_problem
 from configs.schema import register_configs
@@ -88,7 +89,7 @@ def overridden(overrides: list[str], keys) -> list[str]:
 def refuse_ignored_options(mode: str, args) -> None:
     """An option the chosen planner does not read is an error, not silently dropped."""
     # simulate plans at each of --gpus and prices no named plan; plan (and --joint) prices the cluster's shape
-    if args.gpus is not None and mode != "simulate":
+    if args.gpus is not None and mode != "simulate" and not args.joint:  # --joint refuses it below
         raise InputError(f"--gpus {args.gpus} applies only with simulate (a plan is priced on cluster.nodes x "
                          f"cluster.ranks_per_node GPUs)")
     if args.price and mode == "simulate" and not args.joint:
@@ -96,7 +97,8 @@ def refuse_ignored_options(mode: str, args) -> None:
                          f"GPU count); price plans without simulate")
     if args.joint:
         ignored = [name for name, given in (("simulate", mode == "simulate"), ("--price", bool(args.price)),
-                                            ("--collectives tensor", args.collectives != "unit")) if given]
+                                            ("--collectives tensor", args.collectives != "unit"),
+                                            (f"--gpus {args.gpus}", args.gpus is not None)) if given]
         ignored += overridden(args.overrides, JOINT_KEYS)
         # a named AMSP plan: the joint planner picks every stage's degrees (amsp.plan=auto is what it does)
         ignored += [o for o in overridden(args.overrides, ("amsp.plan",)) if o.split("=", 1)[-1] != "auto"]
@@ -109,6 +111,28 @@ def refuse_ignored_options(mode: str, args) -> None:
         if ignored:
             raise InputError(f"{' and '.join(ignored)} {'apply' if len(ignored) > 1 else 'applies'} only with "
                              f"--joint (the joint planner)")
+
+
+def refuse_auto_without_joint(cfg, args) -> None:
+    """parallel.auto=true makes train.py run the joint search; without --joint this CLI would price
+    parallel.tp / pp with the data-parallel planner instead, a different question answered silently."""
+    if not args.joint and OmegaConf.select(cfg, "parallel.auto") is True:
+        raise InputError("parallel.auto=true: the planner CLI runs the joint search (what train.py runs with "
+                         "parallel.auto=true) only with --joint: python -m amsp.planner --joint ...; without "
+                         "--joint, drop parallel.auto to price parallel.tp / parallel.pp")
+
+
+MODES = ("plan", "simulate")
+
+
+def split_mode(overrides: list[str]) -> tuple[str, list[str]]:
+    """The mode word (plan | simulate) wherever it stands among the arguments, and the Hydra overrides
+    without it: a bare word is never an override (those are key=value, ~key), so taking it is safe, and
+    Hydra would otherwise refuse it with a grammar error that does not say what was meant."""
+    modes = [o for o in overrides if o in MODES]
+    if len(set(modes)) > 1:
+        raise InputError(f"{' and '.join(dict.fromkeys(modes))}: give one mode (plan, the default, or simulate)")
+    return (modes[0] if modes else "plan"), [o for o in overrides if o not in MODES]
 
 
 def kernels_json(k) -> dict:
@@ -143,7 +167,6 @@ def announce_rounded_batch(g, dp_world: int, where: str = "") -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    mode = argv.pop(0) if argv and argv[0] in ("plan", "simulate") else "plan"
     ap = argparse.ArgumentParser(prog="python -m amsp.planner [plan|simulate]", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", help=f"simulate: GPU counts (default {','.join(map(str, DEFAULT_GPUS))})")
@@ -172,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
     try:
+        mode, args.overrides = split_mode(args.overrides)  # the mode may stand anywhere among the arguments
         return _run(mode, args)
     except (NoFeasiblePlan, ValueError, InputError) as e:  # PlanError is a ValueError
         print(f"error: {e}", file=sys.stderr)
@@ -181,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(mode: str, args) -> int:
     refuse_ignored_options(mode, args)
     cfg = with_model_parallel(checked_config(args.overrides))
+    refuse_auto_without_joint(cfg, args)
     if args.joint:
         return _run_joint(cfg, args)
     # Everything an input can be refused for is read before the first line of output (the cluster's
@@ -197,9 +222,10 @@ def _run(mode: str, args) -> int:
     out = (lambda s: None) if args.json else print
     if mode == "simulate":
         r = cluster.ranks_per_node
-        out(cluster.describe(overlap_slowdown_of(options, cluster)))
+        # simulated before the header: a degree no count can run (tp beyond a node) is refused inside it
         rows = simulate(lambda n: workload_from_config(cfg, cluster.with_shape(max(1, n // r), min(r, n))),
                         cluster, options, counts)
+        out(cluster.describe(overlap_slowdown_of(options, cluster)))
         ranks_per_replica = p.tp * p.pp
         for n in sorted({row["gpus"] for row in rows if "global_batch" in row}):
             dp = n // ranks_per_replica
@@ -261,7 +287,8 @@ def json_error(enabled: bool, inputs):
 
 
 def count_text(n: float) -> str:
-    """A parameter count as train.py logs it, in the unit that keeps its digits: 6.74B, 7.34M, 164.16K."""
+    """A parameter count in the unit that keeps its digits: 6.74B, 7.34M, 164.16K. Not train.py's format, which
+    logs millions whatever the size (0.16M)."""
     for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
         if n >= div:
             return f"{n / div:.2f}{unit}"
@@ -299,7 +326,7 @@ def _run_joint(cfg, args) -> int:
 
     cluster = load_hetero(args.hetero) if args.hetero else from_spec(cluster_spec(cfg))
     p = planner_config(cfg)
-    refuse_state_budget_for_joint(p)
+    refuse_state_budget_for_joint(p, context="cli")
     model = to_llama_config(cfg.model)
     seq, mbs = int(cfg.data.seq_len), int(cfg.trainer.micro_batch_size)
     sp, lp = bool(cfg.parallel.sequence_parallel), bool(cfg.parallel.loss_parallel)
@@ -311,8 +338,9 @@ def _run_joint(cfg, args) -> int:
                          f"layout only other than tp 1 x pp 1, their default, under which every tp and pp is "
                          f"searched (as with parallel.auto=true); drop them, or price tp 1 x pp 1 without --joint")
     layout = fixed_layout(p.tp, p.pp, model, cluster.world, cluster.ranks_per_node, seq, sp, lp)
-    tokens = OmegaConf.select(cfg, "trainer.global_batch_tokens")
-    global_batch = int(tokens) // seq if tokens else int(cfg.trainer.global_batch_size)
+    # as the data-parallel path (batch_geometry): tokens that are no whole number of sequences are refused,
+    # not floored into a smaller batch than asked
+    global_batch = int(requested_global_batch(cfg))
     prec = run_precision(cfg, cluster.groups[0].spec)  # gradients in amsp.grad_comm, as the engine
     # Compute: a profile file (tp 1 units per node group, as train.py's startup measures them), else
     # the fraction of peak each kind of node reaches (--efficiency, else amsp.planner.mfu).

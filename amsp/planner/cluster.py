@@ -49,6 +49,8 @@ _warned: set = set()
 def parse_size(text: str | int | float) -> int:
     """'64KiB' / '16MiB' / 1048576 -> bytes."""
     if isinstance(text, (int, float)):
+        if not math.isfinite(text):  # int() of inf is an OverflowError, of NaN a ValueError naming neither
+            raise ValueError(f"cannot read message size {text!r}; write e.g. 64KiB, 16MiB, 1GiB or a byte count")
         return int(text)
     m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(text))
     if not m or (m.group(2).upper() or "B") not in _UNITS:
@@ -80,8 +82,10 @@ class BandwidthCurve:
     def __post_init__(self) -> None:
         if not self.points:
             raise ValueError("a bandwidth curve needs at least one point")
-        if any(bw <= 0 or size <= 0 for size, bw in self.points):
-            raise ValueError(f"bandwidth points must be positive: {self.points}")
+        # written as a range so NaN fails it too (NaN <= 0 is False): a NaN or infinite bandwidth reaches the
+        # ILP's coefficients and the solver dies with a traceback instead of a one-line error
+        if any(not (0 < bw < math.inf) or size <= 0 for size, bw in self.points):
+            raise ValueError(f"bandwidth points must be positive finite GB/s at positive sizes: {self.points}")
         # the lookup runs for every priced collective (thousands of candidates at 16384 ranks)
         object.__setattr__(self, "_sizes", tuple(size for size, _ in self.points))
         object.__setattr__(self, "_logs", tuple(math.log(size) for size, _ in self.points))
@@ -219,12 +223,38 @@ class ClusterSpec:
 
 
 def curves_from_config(tables: Mapping | None, scope: str) -> dict[tuple[str, str], BandwidthCurve]:
+    """cluster.<scope>_node: {collective kind: {per-rank chunk size: GB/s}}. A bad entry is a ValueError naming
+    its own key (cluster.intra_node.all_gather) and what it should be, not the whole table or a Python error
+    (a scalar where a mapping belongs has no .items())."""
+    key = f"cluster.{scope}_node"
+    if tables is not None and not isinstance(tables, Mapping):
+        raise ValueError(f"{key}={tables!r}: expected a mapping of collective kind ({', '.join(KINDS)}) to a "
+                         f"table of message size to GB/s")
     out = {}
     for kind, pts in (tables or {}).items():
         if kind not in KINDS:
-            raise ValueError(f"cluster bandwidth table names unknown collective {kind!r}; expected one of {KINDS}")
-        if pts:
-            out[(kind, scope)] = BandwidthCurve.from_mapping(pts)
+            raise ValueError(f"{key} names unknown collective {kind!r}; expected one of {KINDS}")
+        if not pts:
+            continue
+        if not isinstance(pts, Mapping):
+            raise ValueError(f"{key}.{kind}={pts!r}: expected a mapping of message size to GB/s, "
+                             f"e.g. {{1MiB: 130, 64MiB: 185}}")
+        points = []
+        for size, gbs in pts.items():
+            try:
+                bw = float(gbs)
+            except (TypeError, ValueError):
+                bw = math.nan
+            if not (0 < bw < math.inf):  # a range, so NaN fails it too
+                raise ValueError(f"{key}.{kind}: {size}: {gbs!r} must be a finite bandwidth in GB/s > 0")
+            try:
+                nbytes = parse_size(size)
+            except ValueError as e:
+                raise ValueError(f"{key}.{kind}: {e}") from None
+            if nbytes <= 0:
+                raise ValueError(f"{key}.{kind}: message size {size!r} must be > 0 bytes")
+            points.append((nbytes, bw))
+        out[(kind, scope)] = BandwidthCurve(tuple(sorted(points)))
     return out
 
 

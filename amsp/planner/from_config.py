@@ -39,13 +39,21 @@ def with_model_parallel(cfg: DictConfig, what_if: bool = True) -> DictConfig:
     return OmegaConf.merge(cfg, {"amsp": {"planner": {"tp": tp, "pp": pp}}})
 
 
-def refuse_state_budget_for_joint(p: DictConfig) -> None:
+# How to reach the data-parallel planner, which honours a state budget, from each caller of the joint one:
+# both refuse a named parallel.tp / pp beside their search, so "name parallel.tp / pp" alone would be refused.
+_DATA_PARALLEL_PLANNER = {"train": "set parallel.auto=false and name parallel.tp / parallel.pp",
+                          "cli": "drop --joint to plan with parallel.tp / parallel.pp"}
+
+
+def refuse_state_budget_for_joint(p: DictConfig, context: str = "train") -> None:
     """The joint planner fits each stage against device memory only; a model-state cap it would not
-    honour is refused rather than ignored."""
+    honour is refused rather than ignored. context: "train" (train.py's parallel.auto=true) or "cli"
+    (python -m amsp.planner --joint), whose way to the data-parallel planner the advice names."""
     if p.state_budget_gib is not None:
+        where = {"train": "parallel.auto=true", "cli": "--joint"}[context]
         raise ValueError(f"amsp.planner.state_budget_gib={p.state_budget_gib} applies to the data-parallel "
-                         f"planner only; the joint planner (parallel.auto / --joint) fits stages against "
-                         f"device memory: unset it or name parallel.tp / parallel.pp")
+                         f"planner only; the joint planner ({where}) fits stages against device memory: unset "
+                         f"it, or {_DATA_PARALLEL_PLANNER[context]}")
 
 
 def options_from_config(cfg: DictConfig, compute: ComputeProfile | None = None) -> Options:
@@ -92,7 +100,11 @@ def workload_from_config(cfg: DictConfig, cluster: ClusterSpec, kernels: Kernels
     model = to_llama_config(cfg.model)
     dp_world = cluster.world // (p.tp * p.pp)
     if dp_world < 1 or cluster.world % (p.tp * p.pp):
-        raise ValueError(f"amsp.planner.tp*pp={p.tp * p.pp} must divide the world size {cluster.world}")
+        # named by the keys that set them: with_model_parallel copies parallel.tp / pp into amsp.planner's
+        parallel = tuple(int(OmegaConf.select(cfg, f"parallel.{k}", default=1)) for k in ("tp", "pp"))
+        keys = "parallel" if parallel == (p.tp, p.pp) else "amsp.planner"
+        raise ValueError(f"{keys}.tp x {keys}.pp = {p.tp} x {p.pp} = {p.tp * p.pp} must divide the world size "
+                         f"{cluster.world} ({cluster.nodes} node(s) x {cluster.ranks_per_node} ranks)")
     return Workload(model=model, seq_len=cfg.data.seq_len, micro_batch_size=cfg.trainer.micro_batch_size,
                     micro_batches=micro_batches(cfg, dp_world),
                     precision=run_precision(cfg, cluster),

@@ -193,10 +193,14 @@ _MODEL_PARALLEL = {"train": "tensor / pipeline parallelism (parallel.tp / parall
 class NoFeasiblePlan(RuntimeError):
     """No plan fits in device memory; the message names the smallest-memory plan, the excess and what
     could close it: the hints follow the part that is over (model states or activations) and name the
-    keys of `context` ("train": train.py, "cli": python -m amsp.planner; in_context sets it)."""
+    keys of `context` ("train": train.py, "cli": python -m amsp.planner; in_context sets it).
+    reserved_bytes: the fixed runtime reserve (Options.reserved_bytes, amsp.planner.reserved_gib) inside the
+    plan's `reserved` part, which also holds the allocator margin; None: unknown, not judged."""
 
-    def __init__(self, smallest: PlanCost, recompute: str, micro_batch_size: int, context: str | None = None):
+    def __init__(self, smallest: PlanCost, recompute: str, micro_batch_size: int, context: str | None = None,
+                 reserved_bytes: float | None = None):
         self.smallest, self.recompute, self.micro_batch_size = smallest, recompute, micro_batch_size
+        self.reserved_bytes = reserved_bytes
         if smallest.memory_total <= smallest.device_memory and not smallest.within_state_budget:
             self.excess_bytes = smallest.model_state_bytes - smallest.state_budget
         else:
@@ -224,6 +228,15 @@ class NoFeasiblePlan(RuntimeError):
         m = smallest.memory
         parts = ", ".join(f"{k} {m[k] / GIB:.2f}" for k in MEMORY_PARTS)
         states, act = smallest.model_state_bytes, m["activations"]
+        reserve = self.reserved_bytes
+        if reserve is not None and reserve >= smallest.device_memory:
+            # the runtime reserve alone fills the device: no sharding, recomputation or model parallelism can
+            # make room, so they are not offered; the key that sets the reserve is
+            return (f"no sharding plan fits in {smallest.device_memory / GIB:.2f} GiB per device: the runtime "
+                    f"reserve amsp.planner.reserved_gib={reserve / GIB:.3g} GiB (CUDA context, kernels, workspaces) "
+                    f"is itself {'more than' if reserve > smallest.device_memory else 'all of'} the device's "
+                    f"memory, before any tensor ({parts} GiB). Try: a smaller amsp.planner.reserved_gib, or a "
+                    f"device with more memory" + (" (cluster.device_memory_gib)" if context == "cli" else ""))
         # Model states shrink only by sharding them over more ranks or by model parallelism; shrinking the
         # activations (recomputation, micro-batch, sequence) is offered when it could close the excess or
         # they are the larger part (a 7B model's 2.5 of 112 GiB is neither). The larger part's hints first.

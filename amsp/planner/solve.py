@@ -102,7 +102,7 @@ def plan_cluster(workload: Workload, cluster: ClusterSpec, options: Options = Op
     if choice is None:
         smallest = exhaustive.smallest_memory(terms)
         raise NoFeasiblePlan(_with_ranks(model.evaluate(smallest.plan), workload), workload.recompute,
-                             workload.micro_batch_size)
+                             workload.micro_batch_size, reserved_bytes=options.reserved_bytes)
     chosen = _with_ranks(model.evaluate(choice.plan), workload)
     alternatives = [replace(c.plan, name="alt") for c in exhaustive.ranked(terms, top_k)
                     if (c.plan.blocks, c.plan.embed_head) != (choice.plan.blocks, choice.plan.embed_head)]

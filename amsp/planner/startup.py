@@ -103,13 +103,15 @@ def fitting_cluster(cfg: DictConfig, topo, r: int, denv, device, points, p):
     cluster = with_probe(cluster_spec(cfg, nodes=topo.nodes, ranks_per_node=r, local_ranks=denv.local_world_size,
                                       device=device), points, p)
     w = workload_from_config(cfg, cluster, kernels_for_run(cfg, device))
-    model = CostModel(w, cluster, options_from_config(cfg))
+    options = options_from_config(cfg)
+    model = CostModel(w, cluster, options)
     smallest = model.evaluate(exhaustive.smallest_memory(GroupTerms.build(model)).plan)
     # only the device memory is judged here: under a state budget a larger plan may still fit, which the
     # ILP decides after the timing
     if smallest.memory_total > smallest.device_memory:
         smallest.ranks_per_replica = w.tp * w.pp
-        raise NoFeasiblePlan(smallest, w.recompute, w.micro_batch_size, context="train")
+        raise NoFeasiblePlan(smallest, w.recompute, w.micro_batch_size, context="train",
+                             reserved_bytes=options.reserved_bytes)
     return cluster
 
 

@@ -248,3 +248,37 @@ def test_joint_cli_prices_a_given_compute_profile(tmp_path, capsys):
         eff.write_text(json.dumps(bad))
         assert main(["--efficiency", str(eff)] + mixed) == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["model=debug", "--gpus=8", "simulate"], ["--json", "simulate", "model=debug",
+                                                                          "--gpus", "8"]])
+def test_cli_mode_word_may_stand_anywhere(capsys, args):
+    """After the first argument it was an override (a Hydra grammar error) or made --gpus look misplaced."""
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert ('"simulation"' in out) if "--json" in args else ("auto" in out)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--joint", "--gpus", "8"], "--gpus 8: not available with --joint"),  # was "applies only with simulate"
+    (["plan", "simulate"], "plan and simulate: give one mode"),
+])
+def test_cli_mode_errors_say_what_is_wrong(capsys, args, message):
+    assert main(args + ["model=debug"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and message in err[-1], err
+
+
+def test_simulate_refuses_before_printing_the_cluster(capsys):
+    """The cluster's header came before the error line; a refused run prints its one error line only."""
+    assert main(["simulate", "model=debug", "parallel.tp=2", "--gpus", "3,4"]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and "tp=2 must divide ranks_per_node=1" in cap.err.strip().splitlines()[-1]
+
+
+def test_count_text_does_not_claim_train_py_format():
+    """train.py logs 0.16M parameters; the CLI's 164.16K is its own format, so the docstring must not say
+    otherwise."""
+    from amsp.planner.__main__ import count_text
+
+    assert count_text(164_160) == "164.16K" and "as train.py logs it" not in count_text.__doc__

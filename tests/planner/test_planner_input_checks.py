@@ -202,3 +202,101 @@ def test_joint_terms_say_tp_comm_is_within_the_compute():
 
     assert "within the stage compute" in _TERM_WORDS["tp_comm_s"]
 
+
+
+def _cluster_file(tmp_path, name: str, edit) -> list[str]:
+    """Overrides selecting a copy of the a100x8 preset with `edit` applied to its text (a config dir on
+    Hydra's search path): a table Hydra's override grammar cannot write (a size key like 128KiB)."""
+    import pathlib
+
+    text = (pathlib.Path(__file__).resolve().parents[2] / "configs" / "cluster" / "a100x8.yaml").read_text()
+    (tmp_path / "cluster").mkdir()
+    (tmp_path / "cluster" / f"{name}.yaml").write_text(edit(text))
+    return [f"hydra.searchpath=[file://{tmp_path}]", f"cluster={name}"]
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-5"])
+def test_a_non_finite_bandwidth_point_is_one_line(tmp_path, capsys, value):
+    """NaN passed `bw <= 0` and reached the ILP, where CBC died with a traceback."""
+    cluster = _cluster_file(tmp_path, "badx8", lambda t: t.replace("all_gather: {128KiB: 60,",
+                                                                 f"all_gather: {{128KiB: {value},", 1))
+    assert main(["model=debug"] + cluster) == 2
+    assert "cluster.intra_node.all_gather: 128KiB:" in _last_error(capsys)
+
+
+@pytest.mark.parametrize("points", [{"1MiB": float("nan")}, {"1MiB": float("inf")}, {"1MiB": 0}, {"1MiB": "x"},
+                                    {"0": 5.0}, {float("inf"): 5.0}])
+def test_curves_from_config_names_the_bad_point(points):
+    from amsp.planner.cluster import BandwidthCurve, curves_from_config
+
+    with pytest.raises(ValueError, match=r"^cluster\.inter_node\.reduce_scatter: "):
+        curves_from_config({"reduce_scatter": points}, "inter")
+    with pytest.raises(ValueError, match="finite"):  # the curve itself, as a probe or cache builds it
+        BandwidthCurve(((1024, float("nan")),))
+
+
+@pytest.mark.parametrize("table, message", [
+    ({"all_gather": 5}, "cluster.intra_node.all_gather=5: expected a mapping of message size to GB/s"),
+    (5, "cluster.intra_node=5: expected a mapping of collective kind"),
+])
+def test_a_scalar_where_a_table_belongs_names_its_key(table, message):
+    """It was "'int' object has no attribute 'items'" (configs/validate.py shows the planner's reader's message)."""
+    from amsp.planner.cluster import curves_from_config
+
+    with pytest.raises(ValueError) as e:
+        curves_from_config(table, "intra")
+    assert str(e.value).startswith(message) and "attribute" not in str(e.value)
+
+
+def test_a_scalar_bandwidth_table_on_the_command_line(capsys):
+    assert main(["model=debug", "cluster=a100x8", "cluster.intra_node.all_gather=5"]) == 2
+    err = _last_error(capsys)
+    assert "cluster.intra_node.all_gather=5: expected a mapping of message size to GB/s" in err
+    assert "has no attribute" not in err
+
+
+def test_joint_refuses_tokens_that_are_no_whole_number_of_sequences(capsys):
+    """The joint path floored 4000 / 256 to 15 samples; the data-parallel one refuses it (batch_geometry)."""
+    assert main(["--joint", "model=debug", "trainer.global_batch_tokens=4000"]) == 2
+    assert "trainer.global_batch_tokens=4000 is not a multiple of data.seq_len=256" in _last_error(capsys)
+
+
+def test_no_fit_names_the_reserve_when_it_alone_fills_the_device(capsys):
+    """It offered recomputation, a smaller micro-batch and a shorter sequence (0.02 GiB of activations
+    against 0.52 GiB over) and never named amsp.planner.reserved_gib, the 1 GiB that is the whole excess."""
+    assert main(["model=debug", "cluster.device_memory_gib=0.5"]) == 2
+    err = _last_error(capsys)
+    assert "amsp.planner.reserved_gib" in err
+    assert not any(h in err for h in ("recomputation", "micro-batch", "shorter sequence", "more nodes")), err
+    capsys.readouterr()
+    assert main(["model=debug", "cluster.device_memory_gib=0.5", "amsp.planner.reserved_gib=0.1"]) == 0
+
+
+def test_parallel_auto_without_joint_is_refused(capsys):
+    """It printed the data-parallel table for parallel.tp / pp, where train.py runs the joint search."""
+    assert main(["model=debug", "parallel.auto=true", "cluster.ranks_per_node=2"]) == 2
+    err = _last_error(capsys)
+    assert err.startswith("error: parallel.auto=true") and "--joint" in err
+
+
+def test_state_budget_under_joint_advises_what_that_context_accepts(capsys):
+    """The advice was "name parallel.tp / parallel.pp", which --joint (and parallel.auto=true) refuse."""
+    from omegaconf import OmegaConf
+
+    from amsp.planner.from_config import refuse_state_budget_for_joint
+    from configs.schema import PlannerConfig
+
+    assert main(["--joint", "model=debug", "amsp.planner.state_budget_gib=3"]) == 2
+    err = _last_error(capsys)
+    assert "drop --joint" in err and "name parallel.tp" not in err
+    p = OmegaConf.merge(OmegaConf.structured(PlannerConfig), {"state_budget_gib": 3})
+    with pytest.raises(ValueError, match="set parallel.auto=false and name parallel.tp / parallel.pp"):
+        refuse_state_budget_for_joint(p)  # train.py's parallel.auto=true (amsp/parallel/joint_startup.py)
+
+
+def test_model_parallel_degrees_too_large_for_the_world_name_the_key_given(capsys):
+    """It named amsp.planner.tp*pp, which the CLI derives from the parallel.tp the user set."""
+    assert main(["model=llama2_7b", "cluster=a100x8", "cluster.ranks_per_node=1", "parallel.tp=2"]) == 2
+    err = _last_error(capsys)
+    assert "parallel.tp x parallel.pp = 2 x 1 = 2 must divide the world size 1" in err
+    assert "amsp.planner" not in err
