@@ -96,6 +96,14 @@ def test_nothing_fits_is_one_line_naming_the_shortfall():
                    precision=BF16)
 
 
+def test_a_reserve_that_fills_the_gpu_is_named_not_more_gpus():
+    """The reserve alone at the GPU's size: "add GPUs or shorten data.seq_len" could never help."""
+    with pytest.raises(InputError, match=r"amsp.planner.reserved_gib=40 GiB .* is all of a GPU's 32 GiB") as e:
+        plan_joint(get_preset("debug"), from_spec(load_preset("v100x8", 1)), seq_len=64, global_batch=64,
+                   precision=BF16, reserved_bytes=40 * 2**30)
+    assert "add GPUs" not in str(e.value)
+
+
 def test_cli_joint_json(capsys):
     from amsp.planner.__main__ import main
 

@@ -115,7 +115,7 @@ class HeteroCluster:
         return min(a.spec.fallback["inter"].gbps, b.spec.fallback["inter"].gbps)
 
     def describe(self) -> str:
-        parts = [f"{g.nodes} x {g.name} ({g.spec.ranks_per_node} GPUs, {g.spec.device_memory_bytes / 2**30:.0f} GiB, "
+        parts = [f"{g.nodes} x {g.name} ({g.spec.ranks_per_node} GPUs, {g.spec.device_memory_bytes / 2**30:.3g} GiB, "
                  f"{g.spec.peak_flops / 1e12:.3g} TFLOP/s)" for g in self.groups]
         return f"cluster {self.name}: " + " + ".join(parts) + f" = {self.world} GPUs"
 

@@ -362,7 +362,8 @@ def plan_joint(model: LlamaConfig, cluster: HeteroCluster, *, seq_len: int, glob
     if not plans:
         smallest = min((world // tp for tp, _ in combos), default=world) * min(micro_batch_sizes)
         raise InputError(f"no joint plan fits {cluster.describe()}: "
-                         + left_out.why_none(global_batch, smallest, shortfall))
+                         + left_out.why_none(global_batch, smallest, shortfall, reserved_bytes,
+                                             min(g.spec.device_memory_bytes for g in cluster.groups)))
     plans.sort(key=lambda p: p.step_s)
     explain(plans)
     plans[0].notes = left_out.notes()
@@ -406,12 +407,20 @@ class _LeftOut:
     def notes(self) -> list[str]:
         return list(self._reasons().values())
 
-    def why_none(self, global_batch: int, smallest: int, shortfall: float | None) -> str:
-        """What excluded every layout, most actionable first."""
+    def why_none(self, global_batch: int, smallest: int, shortfall: float | None, reserved_bytes: float = 0.0,
+                 device_bytes: float = math.inf) -> str:
+        """What excluded every layout, most actionable first. reserved_bytes / device_bytes: the runtime's reserve
+        (amsp.planner.reserved_gib) and the smallest GPU's memory: when the reserve alone fills the GPU, neither
+        more GPUs nor a shorter sequence can help, and the reserve is what to name."""
         k, parts = self.keys, []
-        if shortfall is not None:
+        if reserved_bytes >= device_bytes:
+            parts.append(f"amsp.planner.reserved_gib={reserved_bytes / 2**30:g} GiB (kept for the runtime outside "
+                         f"the allocator) is all of a GPU's {device_bytes / 2**30:g} GiB: lower "
+                         f"amsp.planner.reserved_gib, or describe GPUs with more memory")
+        elif shortfall is not None:
             parts.append(f"the most memory-saving layout still needs {shortfall / 2**30:.1f} GiB more per GPU on its "
-                         f"tightest stage (add GPUs or shorten data.seq_len)")
+                         f"tightest stage (add GPUs or shorten data.seq_len; amsp.planner.reserved_gib="
+                         f"{reserved_bytes / 2**30:g} GiB of each GPU is kept for the runtime)")
         if "batch" in k or "micro" in k:
             what = []
             if "batch" in k:
