@@ -1,6 +1,6 @@
 """Kernel backends for attention and RMSNorm.
 
-`auto` picks flash-attn, then Transformer Engine, on CUDA when importable, and PyTorch's
+`auto` picks flash-attn, then Transformer Engine, on CUDA when they import, and PyTorch's
 scaled_dot_product_attention everywhere else. The choice is made once per model and logged
 once per process, so a run's log always says which kernels it used.
 
@@ -11,6 +11,8 @@ the dispatcher takes are logged once. On CPU SDPA keeps PyTorch's own dispatch.
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import logging
 from typing import Callable
@@ -36,12 +38,44 @@ def _importable(module: str) -> bool:
         return False
 
 
+@functools.cache
+def import_problem(module: str) -> str | None:
+    """None when `module` imports, else why not. Installed is not enough: flash-attn and Transformer Engine
+    compile against one torch, and a build left behind by a torch upgrade is found by find_spec but fails
+    at import (an undefined symbol); `auto` would pick it and the run would fail at its first attention."""
+    if not _importable(module.split(".")[0]):
+        return "not installed"
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - ImportError, OSError (a missing .so), RuntimeError from its init
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return f"installed but does not import ({type(e).__name__}: {first}); built for another torch? rebuild " \
+               f"it (README, GPU clusters)"
+    return None
+
+
+def _usable(module: str, kind: str) -> bool:
+    """CUDA and `module` importing; an installed package that fails to import is said once (auto then takes
+    the next backend), so a stale build is not silently passed over either."""
+    if not torch.cuda.is_available():
+        return False
+    why = import_problem(module)
+    if why not in (None, "not installed") and (kind, module) not in _logged:
+        _logged.add((kind, module))
+        log.warning("%s backend: %s %s", kind, module, why)
+    return why is None
+
+
 def flash_attn_available() -> bool:
-    return torch.cuda.is_available() and _importable("flash_attn")
+    return _usable("flash_attn", "attention")
 
 
 def te_available() -> bool:
-    return torch.cuda.is_available() and _importable("transformer_engine")
+    return _usable("transformer_engine.pytorch", "transformer_engine")
+
+
+def _unusable_reason(module: str) -> str:
+    return "no CUDA device" if not torch.cuda.is_available() else import_problem(module) or ""
 
 
 def resolve_attention(requested: str) -> str:
@@ -58,11 +92,13 @@ def resolve_attention(requested: str) -> str:
     else:
         choice, why = requested, "requested"
         if choice == "flash_attn" and not flash_attn_available():
-            raise RuntimeError("model.attention=flash_attn needs CUDA and the flash_attn package "
-                               "(pip install -e '.[gpu]'); use model.attention=sdpa on CPU")
+            raise RuntimeError(f"model.attention=flash_attn needs CUDA and the flash_attn package "
+                               f"(pip install -e '.[gpu]' --no-build-isolation): {_unusable_reason('flash_attn')}; "
+                               f"model.attention=sdpa runs without it")
         if choice == "te" and not te_available():
-            raise RuntimeError("model.attention=te needs CUDA and transformer_engine "
-                               "(pip install -e '.[gpu]'); use model.attention=sdpa on CPU")
+            raise RuntimeError(f"model.attention=te needs CUDA and transformer_engine "
+                               f"(pip install -e '.[gpu]' --no-build-isolation): "
+                               f"{_unusable_reason('transformer_engine.pytorch')}; model.attention=sdpa runs without it")
     _log_once("attention", choice, why)
     if choice == "sdpa" and torch.cuda.is_available():
         cuda_half_sdpa_order()  # decided (and logged) here, eagerly, not inside a compiled region
@@ -76,7 +112,8 @@ def resolve_norm(requested: str) -> str:
     else:
         choice, why = requested, "requested"
         if choice == "te" and not te_available():
-            raise RuntimeError("model.norm=te needs CUDA and transformer_engine; use model.norm=torch")
+            raise RuntimeError(f"model.norm=te needs CUDA and transformer_engine: "
+                               f"{_unusable_reason('transformer_engine.pytorch')}; model.norm=torch runs without it")
     _log_once("rmsnorm", choice, why)
     return choice
 

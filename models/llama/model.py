@@ -204,6 +204,10 @@ class Llama(nn.Module):
         self.attention_backend = resolve_attention(cfg.attention)
         self.norm_backend = resolve_norm(cfg.norm)
         self.fused_ops = fused.resolve_fused(cfg.fused)  # logged once; builds csrc/ on first use
+        if self.norm_backend == "te" and "rms_norm" in self.fused_ops:
+            # the norms are TE's (make_rms_norm): the log named the fused RMSNorm, which never ran
+            self.fused_ops = self.fused_ops - {"rms_norm"}
+            fused._log_once("fused ops: rms_norm not used: the norms are Transformer Engine's (model.norm=te)")
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(
             TransformerBlock(cfg, i, self.attention_backend, self.norm_backend, self.fused_ops)

@@ -4,7 +4,7 @@
 #     bash scripts/gpu/check.sh
 #
 # 1. installs the wheels from .whl/ (scripts/gpu/prepare_wheels.sh; skipped when there is no .whl/,
-#    e.g. on a cluster node where `pip install -e .` already ran) into /tmp/site, on PYTHONPATH;
+#    e.g. on a cluster node where `pip install -e '.[test]'` already ran) into /tmp/site, on PYTHONPATH;
 # 2. records the machine: nvidia-smi, torch / CUDA / cuDNN / transformers versions;
 # 3. runs every gpu-marked test (pytest -m gpu, which replaces pyproject's `-m 'not slow'`);
 # 4. runs scripts/bench/bench_gpu_vs_hf.py (this project vs transformers on the 1.88B shape) with

@@ -213,3 +213,24 @@ def test_whole_model_backends_match_sdpa(attention, norm):
     fast = build_model(cfg.with_overrides(attention=attention, norm=norm), device="cuda", dtype=torch.bfloat16)
     x = torch.randint(0, cfg.vocab_size, (2, 128), device="cuda")
     torch.testing.assert_close(fast(x, x), ref(x, x), rtol=2e-2, atol=2e-2)
+
+
+def test_an_installed_library_that_does_not_import_is_passed_over_and_said(tmp_path, monkeypatch, caplog):
+    """A flash-attn build left behind by a torch upgrade is found on the path but fails at import; auto used to
+    pick it (find_spec only) and the run failed at its first attention. CPU: CUDA is pretended for the check."""
+    pkg = tmp_path / "flash_attn"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise ImportError('undefined symbol: _ZN3c104cuda9SetDevice')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(backends, "_logged", set())
+    backends.import_problem.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="models.llama.backends"):
+            assert not flash_attn_available() and not flash_attn_available()
+        assert caplog.text.count("does not import") == 1, caplog.text
+        assert "undefined symbol" in caplog.text and "rebuild it" in caplog.text
+        with pytest.raises(RuntimeError, match="model.attention=flash_attn needs .*does not import"):
+            backends.resolve_attention("flash_attn")
+    finally:
+        backends.import_problem.cache_clear()

@@ -200,3 +200,22 @@ def test_every_preset_builds_on_meta():
         with torch.device("meta"):
             from models.llama.model import Llama
             Llama(cfg.with_overrides(max_seq_len=64))
+
+
+def test_te_norms_take_rms_norm_out_of_the_fused_ops(monkeypatch, caplog):
+    """With model.norm=te the norms are TE's whatever model.fused says; the fused-ops line named rms_norm anyway.
+    CPU: TE's RMSNorm is stood in by the torch one (only the bookkeeping is under test)."""
+    import logging
+
+    from models.llama import fused, model as model_mod
+
+    if fused.load_ops() is None:
+        pytest.skip("the native extension is unavailable: no fused op to take out")
+    monkeypatch.setattr(model_mod, "resolve_norm", lambda requested: "te")
+    monkeypatch.setattr(model_mod, "make_rms_norm", lambda choice, dim, eps, fused=False:
+                        model_mod.RMSNorm(dim, eps, fused))
+    cfg = LlamaConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=128, max_seq_len=32, fused="on")
+    with caplog.at_level(logging.INFO, logger=fused.__name__):
+        m = model_mod.Llama(cfg)
+    assert "rms_norm" not in m.fused_ops and "swiglu" in m.fused_ops, m.fused_ops
+    assert "fused ops: rms_norm not used: the norms are Transformer Engine's (model.norm=te)" in fused._logged
