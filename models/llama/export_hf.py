@@ -10,15 +10,20 @@ model entries are read, in this one process, without a process group, each chunk
 checkpoint's checksums as resume checks it (a damaged checkpoint is one line naming the file, exit 3);
 their shapes come from a meta-device model built from the saved config. OUT_DIR receives config.json,
 model.safetensors and, when the config names a tokenizer, tokenizer.json + tokenizer_config.json
-(models/llama/hf.py write_tokenizer: any tokenizer kind, encoding exactly as training did).
+(models/llama/hf.py write_tokenizer: any tokenizer kind, encoding exactly as training did). All inputs,
+OUT_DIR included, are checked before the checkpoint is read, and the files reach OUT_DIR only once all
+are written: a failed export leaves OUT_DIR as it was.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import pathlib
+import shutil
 import sys
+import tempfile
 from dataclasses import replace
 from typing import Any
 
@@ -122,9 +127,50 @@ def describe_checkpoint(given: str | pathlib.Path, ckpt_dir: pathlib.Path, meta:
     return f"checkpoint {ckpt_dir} ({what})"
 
 
+# Every file an export may write: a file of a previous export that this one does not write (its tokenizer,
+# when this export has none) is removed, so OUT_DIR never mixes two exports.
+EXPORT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "tokenizer.model", "tokenizer.tiktoken")
+
+
+def prepare_out_dir(out_dir: pathlib.Path) -> pathlib.Path:
+    """A new, empty staging folder for the export, made before the checkpoint is read so that an unusable
+    OUT_DIR fails in seconds, not after loading every weight. An existing OUT_DIR gets it inside (only
+    OUT_DIR need be writable); a new one beside it, renamed to OUT_DIR once complete. OSError otherwise."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"OUT_DIR {out_dir} exists and is not a directory")
+    home = out_dir if out_dir.is_dir() else out_dir.parent
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.export-", dir=home))
+    except OSError as e:
+        raise OSError(f"cannot write OUT_DIR {out_dir}: making a folder in {home} failed: "
+                      f"{e.strerror or e}") from None
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)  # mkdtemp's 0700 would become the new OUT_DIR's mode
+    return staging
+
+
+def commit_out_dir(staging: pathlib.Path, out_dir: pathlib.Path) -> None:
+    """Move the complete export from `staging` into OUT_DIR (whole, by one rename, when OUT_DIR is new)."""
+    if staging.parent.resolve() != out_dir.resolve():
+        staging.rename(out_dir)
+        return
+    written = {f.name for f in staging.iterdir()}
+    for name in sorted(written, key=lambda n: n == "config.json"):  # config.json last: from_pretrained reads it
+        os.replace(staging / name, out_dir / name)
+    for name in set(EXPORT_FILES) - written:
+        (out_dir / name).unlink(missing_ok=True)
+    staging.rmdir()
+
+
 def export(ckpt_dir: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: str = "float32",
            tokenizer: str | pathlib.Path | None = None) -> pathlib.Path:
-    """Write OUT_DIR; `tokenizer` (any kind data/tokenizer.py loads) overrides the saved data.tokenizer."""
+    """Write OUT_DIR; `tokenizer` (any kind data/tokenizer.py loads) overrides the saved data.tokenizer.
+    Every input is checked, and the tokenizer converted, before the checkpoint is read; the files are
+    written to a staging folder and moved into OUT_DIR only when all are written, so a failed export
+    leaves OUT_DIR as it was (or absent)."""
     from safetensors.torch import save_file
 
     if dtype not in DTYPES:
@@ -132,22 +178,25 @@ def export(ckpt_dir: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: str
     given = ckpt_dir
     ckpt_dir, out_dir = resolve_checkpoint_dir(ckpt_dir), pathlib.Path(out_dir)
     cfg, full = read_saved_config(ckpt_dir)
-    state, meta = _load_model_state(ckpt_dir, cfg)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hf = {k: v.to(DTYPES[dtype]) for k, v in to_hf_state_dict(state, cfg).items()}
-    save_file(hf, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    special: dict[str, int | None] = {"bos": None, "eos": None}
     tok = tokenizer or (full.get("data") or {}).get("tokenizer")
-    if tok:
-        tok_path = pathlib.Path(tok)
-        if not tok_path.exists():
-            raise FileNotFoundError(f"tokenizer {tok} does not exist")
-        special = write_tokenizer(tok_path, out_dir, cfg.max_seq_len)
-    else:
-        log.warning("the saved config names no tokenizer (data.tokenizer) and --tokenizer was not given: "
-                    "exported without one")
-    hf_cfg = to_hf_config(cfg, dtype, special["bos"], special["eos"])
-    (out_dir / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+    if tok and not pathlib.Path(tok).exists():
+        raise FileNotFoundError(f"tokenizer {tok} does not exist")
+    staging = prepare_out_dir(out_dir)
+    try:
+        special: dict[str, int | None] = {"bos": None, "eos": None}
+        if tok:  # converted first: a tokenizer that cannot be exported fails before the slow checkpoint read
+            special = write_tokenizer(pathlib.Path(tok), staging, cfg.max_seq_len)
+        else:
+            log.warning("the saved config names no tokenizer (data.tokenizer) and --tokenizer was not given: "
+                        "exported without one")
+        state, meta = _load_model_state(ckpt_dir, cfg)
+        hf = {k: v.to(DTYPES[dtype]) for k, v in to_hf_state_dict(state, cfg).items()}
+        save_file(hf, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        hf_cfg = to_hf_config(cfg, dtype, special["bos"], special["eos"])
+        (staging / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+        commit_out_dir(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful commit
     log.info("exported %d tensors (%s) from %s to %s", len(hf), dtype, describe_checkpoint(given, ckpt_dir, meta),
              out_dir)
     return out_dir
@@ -167,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         export(args.ckpt_dir, args.out_dir, args.dtype, args.tokenizer)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:  # OSError: a missing input, an OUT_DIR that cannot be written
         print(f"error: {e}", file=sys.stderr)
         return 2  # an input error (amsp/errors.py): the same command fails the same way
     except RunError as e:  # a damaged checkpoint: one line and amsp/errors.py's code (3), as resume gives

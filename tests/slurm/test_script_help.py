@@ -61,19 +61,109 @@ def test_help_outside_a_job_prints_the_usage_and_succeeds(script, flag, tmp_path
     assert called == ""
 
 
-# Hydra's --cfg / --info print and exit 0 as --help does: the job would end COMPLETED having trained nothing
-@pytest.mark.parametrize("args", [["--help"], ["model=debug", "-h"], ["model=debug", "--cfg=job"], ["--info"]],
-                         ids=["help", "h-after-an-override", "cfg", "info"])
+# Hydra's --cfg / --info print and exit 0 as --help does: the job would end COMPLETED having trained nothing.
+# argparse also takes abbreviations, attached values and short flags run together: -cjob, --cf, --inf, ...
+# passed the check that knew only the exact names.
+@pytest.mark.parametrize("args", [["--help"], ["model=debug", "-h"], ["model=debug", "--cfg=job"], ["--info"],
+                                  ["-cjob", "model=debug"], ["--cf", "job"], ["--inf"], ["--hydra-h"],
+                                  ["-iconfig"], ["--in=plugins"], ["-rh"], ["-s"], ["--vers"]],
+                         ids=["help", "h-after-an-override", "cfg", "info", "c-attached", "cfg-prefix", "info-prefix",
+                              "hydra-help-prefix", "i-attached", "info-prefix-value", "run-then-h", "sc-prefix",
+                              "version-prefix"])
 @pytest.mark.parametrize("script", JOB_SCRIPTS)
 def test_help_inside_a_job_is_refused_before_anything_starts(script, args, tmp_path):
     r, called = _run(script, *args, env={"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "pretrain"}, tmp_path=tmp_path)
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"{script}: error: '{args[-1]}' reached the job (SLURM_JOB_ID=4242)"), last
+    flag = next(a for a in args if a.startswith("-"))
+    assert last.startswith(f"{script}: error: '{flag}' reached the job (SLURM_JOB_ID=4242)"), last
     assert "Hydra overrides for train.py" in last and f"bash scripts/slurm/{script} --help" in last, last
     assert "would only make Hydra print and exit 0" in last, last
     assert "usage:" in r.stderr and r.stdout == ""  # the usage goes to the job's log too
     assert called == "", called  # neither scontrol nor srun nor python ran: train.py never saw --help
+
+
+def _hydra_verdict(arg: str) -> str:
+    """What Hydra makes of `train.py ARG` or `train.py ARG job` (a flag's value may be the next argument):
+    "print" (it prints and exits 0, training nothing) if either does, else "run" if either runs the job, else
+    "error" (argparse or Hydra rejects both). hydra/_internal/utils.py _run_hydra's order of checks."""
+    verdicts = {_hydra_verdict_of([arg]), _hydra_verdict_of([arg, "job"])}
+    return next(v for v in ("print", "run", "error") if v in verdicts)
+
+
+def _hydra_verdict_of(argv: list[str]) -> str:
+    import argparse
+
+    from hydra._internal.utils import get_args_parser
+
+    parser = get_args_parser()
+
+    class Rejected(Exception):
+        pass
+
+    def error(message):
+        raise Rejected(message)
+
+    parser.error = error
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --version: argparse prints it and exits 0 (pytest captures the line)
+        return "print" if e.code == 0 else "error"
+    except (Rejected, argparse.ArgumentError):
+        return "error"
+    if args.help or args.hydra_help:
+        return "print"
+    commands = args.run + (args.cfg is not None) + args.multirun + args.shell_completion + (args.info is not None)
+    if commands > 1 or (args.resolve and args.cfg is None):
+        return "error"
+    if args.cfg is not None or args.info is not None or args.shell_completion:
+        return "print"
+    return "run"
+
+
+def _candidates(parser) -> list[str]:
+    """Argument spellings around Hydra's flags: every prefix of each long flag with and without values, short
+    flags run together (with "=" among them), short flags with values attached, and overrides."""
+    longs = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    shorts = [o for a in parser._actions for o in a.option_strings if not o.startswith("--")]
+    out = {"-", "--", "-1", "-0.5", "model=debug", "+x=-h", "~trainer.x", "--cfg job", "-c job"}
+    for flag in longs:
+        for end in range(3, len(flag) + 1):
+            out.update(flag[:end] + v for v in ("", "=", "=job", "=all", "=config", "=x", "=h"))
+    letters = "hcimprsdn="
+    out.update("-" + a + b + c for a in letters for b in ("",) + tuple(letters) for c in ("",) + tuple(letters))
+    for flag in shorts:
+        out.update(flag + v for v in ("job", "hydra", "all", "config", "plugins", "x", "=job", "=config", "=x"))
+    return sorted(out)
+
+
+def test_the_refused_flags_are_exactly_those_hydra_prints_and_exits_on():
+    """Each script's hydra_print_flag against Hydra's own parser, on hundreds of spellings: every one that makes
+    Hydra print and exit 0 is refused, every one that runs the job passes (one argparse rejects may go either
+    way: the job would fail on it regardless)."""
+    from hydra._internal.utils import get_args_parser
+
+    candidates = _candidates(get_args_parser())
+    verdicts = {arg: _hydra_verdict(arg) for arg in candidates}
+    functions = set()
+    for script in JOB_SCRIPTS:
+        found = re.search(r"^hydra_print_flag\(\) \{\n.*?^\}\n", (SLURM_DIR / script).read_text(), re.M | re.S)
+        assert found, script
+        functions.add(found.group(0))
+    assert len(functions) == 1, "pretrain.sbatch and pretrain_srun.sbatch must refuse the same arguments"
+    loop = 'while IFS= read -r a; do if hydra_print_flag "$a"; then echo 1; else echo 0; fi; done'
+    r = subprocess.run(["bash", "-c", functions.pop() + loop], input="\n".join(candidates) + "\n",
+                       capture_output=True, text=True, timeout=30, check=True)
+    refused = dict(zip(candidates, (line == "1" for line in r.stdout.split())))
+    assert len(refused) == len(candidates)
+    missed = [a for a in candidates if verdicts[a] == "print" and not refused[a]]
+    blocked = [a for a in candidates if verdicts[a] == "run" and refused[a]]
+    assert not missed and not blocked, (missed, blocked)
+    # The spellings of the report are among them, and ordinary uses of Hydra's other flags pass.
+    assert all(verdicts[a] == "print" for a in ("-c", "-cjob", "--cf", "--inf", "--hydra-h", "-iconfig", "-rh", "-s"))
+    assert all(verdicts[a] == "run" for a in ("-cp", "-cn=x", "-cd", "-r", "-m", "--run", "--multirun",
+                                              "--config-name=x", "--config-d", "-px", "model=debug", "-1"))
+    assert sum(v == "print" for v in verdicts.values()) > 100 and sum(v == "run" for v in verdicts.values()) > 50
 
 
 @pytest.mark.parametrize("script", JOB_SCRIPTS)
