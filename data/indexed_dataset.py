@@ -95,16 +95,28 @@ class IndexedDatasetWriter:
         self.num_docs += len(lengths)
 
     def finalize(self) -> None:
+        self.prepare()
+        self.commit()
+
+    def prepare(self) -> None:
+        """Finish both temporary files; the step that can run out of disk space. The final names are
+        still untouched, so a caller can write its own files before commit() (preprocess's PREFIX.json)."""
         self._bin.close()
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, dtype=np.int32)
         with open(self.tmp_idx, "wb") as f:
             write_index(f, self.dtype, lengths, np.arange(len(lengths) + 1, dtype=np.int64))
+
+    def commit(self) -> None:
+        """Rename the prepared files into place (renames need no space)."""
         os.replace(self.tmp_bin, bin_path(self.prefix))
         os.replace(self.tmp_idx, idx_path(self.prefix))
 
     def abort(self) -> None:
         """Drop the temporary files (the final names were never touched)."""
-        self._bin.close()
+        try:
+            self._bin.close()  # flushes what is buffered: on a full disk that fails again, and is no news
+        except OSError:
+            pass
         for p in (self.tmp_bin, self.tmp_idx):
             if os.path.exists(p):
                 os.remove(p)

@@ -12,8 +12,9 @@ of chunks is in flight, and results are written in input order, so memory stays 
 the corpus size. EOS is appended to every document. Outputs are written under temporary names and
 renamed at the end; PREFIX.json records the tokenizer and counts so training can check that the
 dataset matches its tokenizer (Megatron's own tools ignore that file).
-SIGTERM (a Slurm time limit) stops the CLI as Ctrl-C does, removing the temporary files (exit code
-143); those of a run killed outright are removed by the next run at that prefix.
+SIGTERM (a Slurm time limit) and Ctrl-C stop the CLI with one line, removing the temporary files (exit code
+143 or 130); those of a run killed outright are removed by the next run at that prefix. The output may not
+overwrite an input, nor lie inside an input folder (a later run would read its PREFIX.json as a document).
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ import multiprocessing as mp
 import os
 import re
 import signal
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Iterator, Sequence
@@ -37,7 +37,7 @@ from amsp.errors import one_line_errors
 from amsp.pid import pid_alive
 from data.errors import DataError
 from data.indexed_dataset import IndexedDatasetWriter, token_dtype
-from data.outdir import make_parent, remove_if_empty
+from data.outdir import Terminated, exit_stopped, make_parent, output_error, remove_if_empty, stop_signals
 from data.progress import Progress
 from data.sources import SourceTally, iter_documents
 from data.tokenizer import Tokenizer
@@ -54,19 +54,26 @@ def _init_worker(model_file: str) -> None:
     # sends on an input error never exits, so the pool's join waits forever. Workers take SIGTERM's
     # default action, and ignore Slurm's USR1/USR2, which are meant for the training process. The
     # parent blocks SIGTERM across the fork (_pool_with_default_sigterm), so none arrives before this.
+    # Ctrl-C reaches the whole process group: a worker that raised KeyboardInterrupt inside the result
+    # queue's put() died holding its lock, and the parent's terminate() then waited forever. Workers
+    # ignore SIGINT (blocked across the fork too); the parent stops them.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+    for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORK_BLOCKED)
     _worker_tok = Tokenizer(model_file)
 
 
+_FORK_BLOCKED = {signal.SIGTERM, signal.SIGINT}
+
+
 def _pool_with_default_sigterm(ctx, workers: int, model_file: str):
-    """ctx.Pool whose workers start with SIGTERM blocked until _init_worker has reset its handler (the
-    pool's helper threads, which may start replacement workers, inherit the blocked mask too)."""
+    """ctx.Pool whose workers start with SIGTERM and SIGINT blocked until _init_worker has reset their
+    handlers (the pool's helper threads, which may start replacement workers, inherit the blocked mask
+    too; Python runs signal handlers in the main thread only, so blocking them there loses nothing)."""
     masks = hasattr(signal, "pthread_sigmask")  # POSIX; elsewhere there is no fork and no mask
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}) if masks else None
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _FORK_BLOCKED) if masks else None
     try:
         return ctx.Pool(workers, initializer=_init_worker, initargs=(model_file,))
     finally:
@@ -177,6 +184,38 @@ def remove_stale_temp_files(prefix: str, min_age_s: float = 60.0) -> list[str]:
     return removed
 
 
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False  # b does not exist yet
+
+
+def _visible_below(folder: str, path: str) -> bool:
+    """Whether a walk of `folder` (data/sources.py, which skips hidden entries) would reach `path`."""
+    rel = os.path.relpath(os.path.realpath(path), os.path.realpath(folder))
+    parts = rel.split(os.sep)
+    return parts[0] != ".." and not any(p.startswith(".") for p in parts)
+
+
+def check_output_not_input(inputs: Sequence[str], output_prefix: str) -> None:
+    """Refuse an output that is one of the inputs, or lies in an input folder, before anything is written.
+    PREFIX.json named as an input was replaced by the metadata (the corpus lost); outputs in an input
+    folder are read back as input by the next run (its PREFIX.json fails as a document without text), so
+    that is refused too rather than silently skipping some files of a folder the user named."""
+    outputs = [f"{output_prefix}{ext}" for ext in (".json", ".bin", ".idx")]
+    for item in inputs:
+        if os.path.isfile(item):
+            for out in outputs:
+                if _same_file(item, out):
+                    raise DataError("--output-prefix", f"{output_prefix!r} would overwrite the input {item}; "
+                                                       "choose another prefix")
+        elif os.path.isdir(item) and _visible_below(item, outputs[0]):
+            raise DataError("--output-prefix", f"{output_prefix!r} is inside the input folder {item}, whose "
+                                               f"next read would take {os.path.basename(outputs[0])} for a "
+                                               "document; write the dataset outside that folder")
+
+
 def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str, *, text_field: str = "text",
                workers: int = 1, split: str | None = None, text_sample_by: str = "document",
                chunk_docs: int = 64, chunk_chars: int = 1 << 20, progress: bool = True,
@@ -192,6 +231,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str, 
         raise DataError("--progress-every", f"must be > 0 seconds, got {progress_every:g} (--no-progress turns "
                                             "the progress lines off)")
     output_prefix = dataset_prefix(output_prefix)
+    check_output_not_input(inputs, output_prefix)
     remove_stale_temp_files(output_prefix)
     tok = Tokenizer(tokenizer_model)
     dtype = token_dtype(tok.vocab_size)
@@ -201,7 +241,10 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str, 
     # run fails and leaves it empty.
     created = make_parent(output_prefix, "--output-prefix")
     try:
-        writer = IndexedDatasetWriter(output_prefix, dtype)
+        try:
+            writer = IndexedDatasetWriter(output_prefix, dtype)
+        except OSError as e:  # a read-only directory, /proc/self/x, ...
+            raise output_error("--output-prefix", output_prefix, e) from None
     except BaseException:
         remove_if_empty(created)
         raise
@@ -211,6 +254,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str, 
     max_id = -1
     text_bytes = 0
     bar = Progress(progress, every=progress_every)
+    tmp_json = f"{output_prefix}.json.tmp-{os.getpid()}"
     try:
         pool = _pool_with_default_sigterm(ctx, workers, tok.model_file)
         window: collections.deque = collections.deque()
@@ -218,7 +262,10 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str, 
             def drain_one() -> None:
                 nonlocal max_id, text_bytes
                 flat, lengths, nbytes = window.popleft().get()
-                writer.add_documents(flat, lengths)
+                try:
+                    writer.add_documents(flat, lengths)
+                except OSError as e:  # a full disk: one line, not a traceback
+                    raise output_error("--output-prefix", output_prefix, e, writer.tmp_bin) from None
                 if flat.size:
                     max_id = max(max_id, int(flat.max()))
                 text_bytes += nbytes
@@ -241,27 +288,38 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str, 
             raise DataError(",".join(inputs), f"empty input: no document has text in field {text_field!r}"
                                               + (f" ({sum(skipped.values())} records with null or empty text)"
                                                  if skipped else ""))
+        seconds = time.perf_counter() - t0
+        stats = PreprocessStats(writer.num_docs, writer.num_tokens, seconds, max_id, sum(skipped.values()),
+                                text_bytes)
+        # Documents are written in source order: source k holds the next `documents` ids after source k-1's.
+        sources = [{"source": src, "documents": t.documents, "skipped_empty": t.skipped}
+                   for src, t in tally.items()]
+        meta = {"tokenizer": tok.model_file, "tokenizer_kind": tok.kind, **tok.document_format,
+                "tokenizer_sha256": tok.fingerprint(), "vocab_size": tok.vocab_size,
+                "eos_id": tok.eos_id, "dtype": np.dtype(dtype).name, "inputs": list(inputs),
+                "text_field": text_field, **asdict(stats), "sources": sources}
+        # Every file is complete under its temporary name before any final name changes: a full disk
+        # then leaves the earlier dataset whole, PREFIX.json included.
+        try:
+            writer.prepare()
+            with open(tmp_json, "w") as f:
+                json.dump(meta, f, indent=1)
+        except OSError as e:
+            raise output_error("--output-prefix", output_prefix, e) from None
+        # Renames only from here. The old record goes first, so a run killed between the renames leaves
+        # new tokens without a record rather than beside the old one.
         if os.path.exists(f"{output_prefix}.json"):
-            os.remove(f"{output_prefix}.json")  # never leave an old record beside new tokens
-        writer.finalize()
+            os.remove(f"{output_prefix}.json")
+        writer.commit()
+        os.replace(tmp_json, f"{output_prefix}.json")
     except BaseException:
         writer.abort()
+        if os.path.exists(tmp_json):
+            os.remove(tmp_json)
         remove_if_empty(created)
         raise
     finally:
         bar.close()
-    seconds = time.perf_counter() - t0
-    stats = PreprocessStats(writer.num_docs, writer.num_tokens, seconds, max_id, sum(skipped.values()), text_bytes)
-    # Documents are written in source order: source k holds the next `documents` ids after source k-1's.
-    sources = [{"source": src, "documents": t.documents, "skipped_empty": t.skipped} for src, t in tally.items()]
-    meta = {"tokenizer": tok.model_file, "tokenizer_kind": tok.kind, **tok.document_format,
-            "tokenizer_sha256": tok.fingerprint(), "vocab_size": tok.vocab_size,
-            "eos_id": tok.eos_id, "dtype": np.dtype(dtype).name, "inputs": list(inputs), "text_field": text_field,
-            **asdict(stats), "sources": sources}
-    tmp = f"{output_prefix}.json.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(meta, f, indent=1)
-    os.replace(tmp, f"{output_prefix}.json")
     return stats
 
 
@@ -308,17 +366,6 @@ def read_metadata(prefix: str) -> dict | None:
         raise DataError(path, f"unreadable dataset metadata ({e})") from None
 
 
-class Terminated(BaseException):
-    """SIGTERM (a Slurm time limit or preemption) raised where the main process is, like
-    KeyboardInterrupt for Ctrl-C, so that preprocess() stops the pool and removes its temporary files;
-    a SIGTERM that only killed the process left PREFIX.bin.tmp-PID behind for good."""
-
-
-def _raise_terminated(signum, frame) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
-    raise Terminated()
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m data.preprocess",
                                  description="Tokenize documents into Megatron-LM .bin/.idx files.")
@@ -340,24 +387,20 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="seconds (> 0) between throughput lines when stderr is not a terminal (a job log)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    try:
-        with one_line_errors():  # a DataError is one line on stderr and exit code 2
-            try:
-                prefix = dataset_prefix(a.output_prefix)
-                s = preprocess(a.input, prefix, a.tokenizer, text_field=a.text_field, workers=a.workers,
-                               split=a.split, text_sample_by=a.text_sample_by, progress=not a.no_progress,
-                               progress_every=a.progress_every)
-            except Terminated:
-                # Caught inside: one_line_errors imports modules to classify an exception, and a SIGTERM
-                # that cut an import short (datasets is imported lazily) can leave them unimportable.
-                s = None
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    if s is None:
-        sys.stderr.write(f"stopped by SIGTERM: {a.output_prefix} not written (an earlier dataset there is "
-                         "untouched, temporary files removed)\n")
-        sys.exit(128 + signal.SIGTERM)  # the shell's status for a process killed by SIGTERM
+    stopped = None
+    with stop_signals(), one_line_errors():  # a DataError is one line on stderr and exit code 2
+        try:
+            prefix = dataset_prefix(a.output_prefix)
+            s = preprocess(a.input, prefix, a.tokenizer, text_field=a.text_field, workers=a.workers,
+                           split=a.split, text_sample_by=a.text_sample_by, progress=not a.no_progress,
+                           progress_every=a.progress_every)
+        except (Terminated, KeyboardInterrupt) as e:
+            # Caught inside: one_line_errors imports modules to classify an exception, and a signal that
+            # cut an import short (datasets is imported lazily) can leave them unimportable.
+            stopped = e
+    if stopped is not None:
+        exit_stopped(stopped, f"{a.output_prefix} not written (an earlier dataset there is untouched, temporary "
+                              "files removed)")
     print(f"wrote {prefix}.bin/.idx: {s.documents} documents, {s.tokens} tokens, {s.text_bytes / 1e6:.1f} MB of "
           f"text in {s.seconds:.1f} s ({s.documents / max(s.seconds, 1e-9):,.0f} docs/s, "
           f"{s.tokens_per_s:,.0f} tokens/s)"

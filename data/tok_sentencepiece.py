@@ -164,7 +164,6 @@ def train_bpe(input_files: Sequence[str], model_prefix: str, vocab_size: int, *,
     small for sentencepiece is one line naming `vocab_key` and the smallest size that works.
     """
     check_vocab_size(vocab_size, byte_fallback, vocab_key)
-    floor = min_vocab_size(byte_fallback)
     for f in input_files:
         if not os.path.isfile(f):
             raise DataError(f, "tokenizer training input not found")
@@ -180,6 +179,20 @@ def train_bpe(input_files: Sequence[str], model_prefix: str, vocab_size: int, *,
     # Sentence sampling is random in sentencepiece; a fixed seed keeps cached tokenizers reproducible.
     spm.set_random_generator_seed(0)
     try:
+        _train_and_rename(kwargs, tmp, model_prefix, vocab_size, byte_fallback, vocab_key)
+    except BaseException:
+        # Ctrl-C or SIGTERM lands only after the C++ training returned, beside its finished files.
+        for ext in (".model", ".vocab"):
+            if os.path.exists(tmp + ext):
+                os.remove(tmp + ext)
+        raise
+    return model_prefix + ".model"
+
+
+def _train_and_rename(kwargs: dict, tmp: str, model_prefix: str, vocab_size: int, byte_fallback: bool,
+                      vocab_key: str) -> None:
+    floor = min_vocab_size(byte_fallback)
+    try:
         spm.SentencePieceTrainer.train(**kwargs)
     except RuntimeError as e:
         m = _REQUIRED_CHARS.search(str(e))
@@ -194,4 +207,3 @@ def train_bpe(input_files: Sequence[str], model_prefix: str, vocab_size: int, *,
         raise DataError(model_prefix, f"sentencepiece training failed: {e}") from None
     os.replace(tmp + ".model", model_prefix + ".model")
     os.replace(tmp + ".vocab", model_prefix + ".vocab")
-    return model_prefix + ".model"

@@ -13,6 +13,7 @@ must fit the model's embedding (check_fits_model).
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ from typing import Sequence
 from amsp.errors import one_line_errors
 from data.errors import DataError
 from data.tok_base import DOCUMENT_FORMAT, EXPECTED_KINDS, Tokenizer  # noqa: F401 - DOCUMENT_FORMAT re-exported
-from data.outdir import make_parent, remove_if_empty
+from data.outdir import Terminated, exit_stopped, make_parent, output_error, remove_if_empty, stop_signals
 from data.tok_sentencepiece import MAX_SENTENCE_BYTES, check_vocab_size, train_bpe  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
@@ -163,34 +164,61 @@ def main(argv: Sequence[str] | None = None) -> None:
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     inputs = [p for item in a.input for p in item.split(",") if p]
-    with one_line_errors():  # a DataError is one line on stderr and exit code 2, as in data.preprocess
-        # Checked before any input is read; the floor that depends on the text is checked by train_bpe.
-        check_vocab_size(a.vocab_size, not a.no_byte_fallback, "--vocab-size")
-        if not (a.max_sentences == 0 or a.max_sentences > 100):  # sentencepiece's own INTERNAL check
-            raise DataError("--max-sentences", f"must be 0 (all lines) or more than 100 (sentencepiece's minimum "
-                                               f"sample), got {a.max_sentences}")
-        if os.path.basename(a.prefix) in ("", ".", ".."):  # `tok/` would write the hidden tok/.model
-            raise DataError("--prefix", f"{a.prefix!r} has no file name; give DIR/NAME to write DIR/NAME.model and "
-                                        f"DIR/NAME.vocab")
-        created = make_parent(a.prefix, "--prefix")
+    stopped = None
+    # SIGTERM (a Slurm time limit) and Ctrl-C stop it as they stop data.preprocess: one line, exit code 143
+    # or 130, and the temporary folder (a full copy of the corpus) and .tmp-PID model files removed. Both
+    # wait for sentencepiece's C++ training to return: Python runs signal handlers between its own steps.
+    with stop_signals(), one_line_errors():  # a DataError is one line on stderr and exit code 2
         try:
-            with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(a.prefix))) as tmp:
-                text_file = os.path.join(tmp, "documents.txt")
-                docs = write_training_text(inputs, text_file, a.text_field)
-                lines = count_sentences(text_file)
-                log.info("training on %d documents (%.1f MB of text, %d lines)", docs,
-                         os.path.getsize(text_file) / 1e6, lines)
-                if 0 < a.max_sentences < lines:
-                    # sentencepiece samples silently: the vocabulary then comes from part of the text only.
-                    log.warning("sentencepiece trains on a random sample of %d of the %d lines (--max-sentences "
-                                "%d; raise it, or 0, to train on all of them)", a.max_sentences, lines,
-                                a.max_sentences)
-                path = train_bpe([text_file], a.prefix, a.vocab_size, byte_fallback=not a.no_byte_fallback,
-                                 max_sentences=a.max_sentences, vocab_key="--vocab-size")
-        except BaseException:
-            remove_if_empty(created)
-            raise
+            path, docs = _train_cli(a, inputs)
+        except (Terminated, KeyboardInterrupt) as e:  # caught inside one_line_errors, as data.preprocess does
+            stopped = e
+    if stopped is not None:
+        exit_stopped(stopped, f"{a.prefix}.model not written (an earlier one there is untouched, temporary "
+                              "files removed)")
     print(f"wrote {path} ({load_tokenizer(path).vocab_size} pieces, from {docs} documents)")
+
+
+def _train_cli(a, inputs: list[str]) -> tuple[str, int]:
+    """main()'s work: (the .model written, the documents it was trained on)."""
+    # Checked before any input is read; the floor that depends on the text is checked by train_bpe.
+    check_vocab_size(a.vocab_size, not a.no_byte_fallback, "--vocab-size")
+    if not (a.max_sentences == 0 or a.max_sentences > 100):  # sentencepiece's own INTERNAL check
+        raise DataError("--max-sentences", f"must be 0 (all lines) or more than 100 (sentencepiece's minimum "
+                                           f"sample), got {a.max_sentences}")
+    if os.path.basename(a.prefix) in ("", ".", ".."):  # `tok/` would write the hidden tok/.model
+        raise DataError("--prefix", f"{a.prefix!r} has no file name; give DIR/NAME to write DIR/NAME.model and "
+                                    f"DIR/NAME.vocab")
+    created = make_parent(a.prefix, "--prefix")
+    try:
+        try:
+            # Hidden: with --prefix inside an --input folder, the folder's walk (data/sources.py skips hidden
+            # entries) took the copy being written for one more document.
+            tmp_dir = tempfile.TemporaryDirectory(prefix=".tmp", dir=os.path.dirname(os.path.abspath(a.prefix)))
+        except OSError as e:  # a read-only directory
+            raise output_error("--prefix", a.prefix, e) from None
+        with tmp_dir as tmp:
+            text_file = os.path.join(tmp, "documents.txt")
+            try:
+                docs = write_training_text(inputs, text_file, a.text_field)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):  # the copy of the text beside PREFIX
+                    raise output_error("--prefix", a.prefix, e, text_file) from None
+                raise
+            lines = count_sentences(text_file)
+            log.info("training on %d documents (%.1f MB of text, %d lines)", docs,
+                     os.path.getsize(text_file) / 1e6, lines)
+            if 0 < a.max_sentences < lines:
+                # sentencepiece samples silently: the vocabulary then comes from part of the text only.
+                log.warning("sentencepiece trains on a random sample of %d of the %d lines (--max-sentences "
+                            "%d; raise it, or 0, to train on all of them)", a.max_sentences, lines,
+                            a.max_sentences)
+            path = train_bpe([text_file], a.prefix, a.vocab_size, byte_fallback=not a.no_byte_fallback,
+                             max_sentences=a.max_sentences, vocab_key="--vocab-size")
+    except BaseException:
+        remove_if_empty(created)
+        raise
+    return path, docs
 
 
 if __name__ == "__main__":
