@@ -28,12 +28,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from amsp import control
 from amsp.checkpoint import CheckpointManager
 from amsp.compile import compile_seconds
-from amsp.errors import EXIT_INPUT, InputError, RunError, one_line_errors, record_exit_code
+from amsp.errors import (EXIT_FAULT, EXIT_INPUT, FaultError, InputError, RunError, disk_full, disk_full_message,
+                         one_line_errors, record_exit_code)
 from amsp.exit_gc import skip_shutdown_gc_passes
 from amsp.init_from import init_weights_from
 from amsp.launch import DistEnv, init_distributed, log_backend_choices
 from amsp.metrics import MetricsLogger, StepTimer, resolve_peak
-from amsp.metrics.logger import drop_rows_after
+from amsp.metrics.logger import append_row, drop_rows_after
 from amsp.metrics.plan_config import log_plan, log_switch
 from amsp.metrics.wandb_logger import WandbLogger
 from amsp.build import describe_node_override, engine_from_config, plan_from_config, topology_from
@@ -53,7 +54,7 @@ from configs.sweep import gives_run_name, job_run_name, swept_keys
 from configs.validate import validate_config
 from data.loader import MicroBatchLoader, validation_batches, validation_rounds
 from data.pipeline import build_data
-from data.resume_check import check_resume, check_vocab_before_load, run_identity
+from data.resume_check import check_model_before_load, check_resume, check_vocab_before_load, run_identity
 from models.llama import flops_per_token
 
 log = logging.getLogger("train")
@@ -178,6 +179,8 @@ def run(cfg: DictConfig) -> None:
     # there (its config.yaml replaced the live run's) or builds a model beside it.
     ckpt = CheckpointManager(run_dir, keep_last=cfg.trainer.keep_last_checkpoints,
                              async_save=cfg.trainer.async_checkpoint, lock=True)
+    # A Slurm requeue runs the same command again: trainer.resume=false there would throw away its own progress.
+    resume = cfg.trainer.resume or ckpt.requeue_of_recorded_job()
     resolved = OmegaConf.to_yaml(cfg, resolve=True)
     config_yaml = resolved  # RUN_DIR/config.yaml, written once the run goes ahead (write_run_files)
     unwritable = None
@@ -185,8 +188,10 @@ def run(cfg: DictConfig) -> None:
         try:
             check_writable(run_dir)
         except OSError as e:  # read-only file system, no permission, a file where a folder should be
-            unwritable = InputError(f"cannot write the run directory {run_dir} ({e.strerror or e}): set "
-                                    f"trainer.output_dir / trainer.run_name to a writable place")
+            where = e.filename or run_dir
+            unwritable = FaultError(f"cannot write the run directory {run_dir}: {disk_full_message(e, where)}") \
+                if disk_full(e) else InputError(f"cannot write the run directory {run_dir} ({e.strerror or e}): "
+                                                f"set trainer.output_dir / trainer.run_name to a writable place")
         else:
             log.info("resolved config:\n%s", resolved)
             log.info("run directory: %s", run_dir.resolve())
@@ -195,8 +200,10 @@ def run(cfg: DictConfig) -> None:
                      if t.checkpoint_interval else "at the end only", t.keep_last_checkpoints,
                      "asynchronous (a background thread writes a snapshot while training goes on)"
                      if t.async_checkpoint else "synchronous (training waits for each save)")
-    if control.all_reduce_max_int(int(unwritable is not None)):  # every rank stops, not only rank 0
-        raise unwritable or InputError(f"rank 0 cannot write the run directory {run_dir}")
+    failed = control.all_reduce_max_int(unwritable.exit_code if unwritable else 0)  # every rank stops, with one code
+    if failed:
+        raise unwritable or (FaultError if failed == EXIT_FAULT else InputError)(
+            f"rank 0 cannot write the run directory {run_dir}")
 
     device, dtype = pick_device_and_dtype(cfg, denv)
     model_cfg = to_llama_config(cfg.model)
@@ -243,7 +250,7 @@ def run(cfg: DictConfig) -> None:
         # A resumed run continues on the plan its recheck switched to (RUN_DIR/replan.json), not the prior's.
         switched = control.decided_by_rank0(
             lambda: plan_after_switch(run_dir, topology_from(cfg.amsp, denv), denv.world_size), denv.rank) \
-            if cfg.trainer.resume else None
+            if resume else None
         if switched is not None:
             if denv.is_main:
                 log.info("planner: resuming with plan %s instead of the startup's %s: %s", switched[0], plan,
@@ -302,23 +309,28 @@ def run(cfg: DictConfig) -> None:
 
     def load_checkpoint(path: pathlib.Path) -> dict:
         check_vocab_before_load(path, model_cfg.vocab_size)  # another embedding size cannot load at all
+        # Same shapes are not the same model (8 heads of 8 vs 4 of 16): its config.yaml is compared first.
+        check_model_before_load(path, model_cfg, list(cfg.trainer.allow_resume_changes), denv.is_main)
         return load_training_state(ckpt, path, engine)
 
-    loaded = ckpt.load_latest(load_checkpoint) if cfg.trainer.resume else None
+    # A fallback's renames wait for the checks below (finish_fallback): a refused resume leaves the directory as it was.
+    loaded = ckpt.load_latest(load_checkpoint, defer_set_aside=True) if resume else None
     latest, meta = loaded if loaded is not None else (None, None)
     # trainer.init_from: pretrained weights in place of the random init, unless this run resumes (amsp/init_from.py).
     init_weights_from(engine, cfg.trainer.init_from, model_cfg, resumed_from=latest, rank=denv.rank)
-    if not cfg.trainer.resume:  # a fresh start: another run's checkpoints here are kept, out of its way
+    if not resume:  # a fresh start: another run's checkpoints here are kept, out of its way
         ckpt.set_aside_all("trainer.resume=false")  # after init_from, which may refuse (or read them)
     if latest is not None:
         start_step, skipped_total, wandb_id = meta["step"], meta.get("skipped_steps", 0), meta.get("wandb_run_id")
         train_loader.load_state_dict({"consumed_samples": meta["consumed_samples"]})
     # What the data position means (seq_len, tokenizer, sources) is recorded with every checkpoint; a
     # resume that changes it is refused unless trainer.allow_resume_changes names it (data/resume_check.py).
-    identity = run_identity(seq_len, data, model_cfg.vocab_size)
+    # The sample order's seed and the lr schedule too: another seed reshuffles, another horizon makes the lr jump.
+    identity = run_identity(seq_len, data, model_cfg.vocab_size, schedule=schedule,
+                            data_seed=cfg.trainer.seed if cfg.data.seed is None else cfg.data.seed)
     if latest is not None:
         consumed = check_resume(meta, identity, list(cfg.trainer.allow_resume_changes), latest,
-                                meta["consumed_samples"], denv.is_main)
+                                meta["consumed_samples"], denv.is_main, step=start_step)
         needed = consumed + (cfg.trainer.max_steps - start_step) * gbs
         rebuild = needed > len(data.train)  # the converted position lies past the samples built: build more
         if rebuild:
@@ -328,6 +340,7 @@ def run(cfg: DictConfig) -> None:
         if rebuild or consumed != meta["consumed_samples"]:
             train_loader.load_state_dict({"consumed_samples": consumed})
         # Only now, every check passed: a refused resume has said nothing of resuming and written nothing.
+        ckpt.finish_fallback()  # the damaged checkpoints renamed, `latest` at the one loaded
         log.info("resumed from checkpoint %s at step %d (%d samples consumed, written by plan %s on %d ranks%s)",
                  latest, start_step, meta["consumed_samples"], meta.get("plan"), meta.get("world_size"),
                  written_layout(meta))
@@ -350,7 +363,9 @@ def run(cfg: DictConfig) -> None:
         write_run_files(run_dir, config_yaml, data.tokenizer.model_file, tokenizer_copy,
                         planned_table)
         if latest is None:  # a fresh start: an earlier run's rows here are not this run's steps
-            set_aside_logs(run_dir, ("metrics.jsonl", "validation.jsonl"))
+            # replan.json too: an earlier run's plan switch is not this run's (plan_after_switch would resume it)
+            set_aside_logs(run_dir, ("metrics.jsonl", "validation.jsonl", "replan.json"))
+            ckpt.record_job()  # the Slurm job that starts this run: its requeues resume it, resume=false or not
     # The plan in the run config (degrees, and the planner's prediction) and the planner's ranked table.
     if switched is None:
         log_plan(wandb_run, engine.plan, cfg.amsp.plan, planned)
@@ -386,8 +401,7 @@ def run(cfg: DictConfig) -> None:
                                                              cfg.trainer.val_samples, pin_device=device))
         if denv.is_main:
             log.info("step %d: validation loss %.4f", step, loss)
-            with open(run_dir / "validation.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, "val_loss": loss}) + "\n")
+            append_row(run_dir / "validation.jsonl", json.dumps({"step": step, "val_loss": loss}) + "\n")
             wandb_run.log_metrics({"val/loss": loss}, step=step)
 
     step, signum = start_step, 0
@@ -511,12 +525,26 @@ def write_run_files(run_dir: pathlib.Path, config_yaml: str, tokenizer_file, tok
                     plan_table: str | None) -> None:
     """Rank 0, once the start goes ahead (a resume's checks passed, wandb started): the run's config, the
     planner's table (None: no planner ran), and the tokenizer copy that checkpoints' exports use (copied only
-    when it differs)."""
-    (run_dir / "config.yaml").write_text(config_yaml)
+    when it differs). Each file is written beside its place and renamed onto it: a write that fails (a full
+    disk) leaves the earlier file whole, where writing in place left a 0-byte config.yaml."""
+
+    def replace(path: pathlib.Path, write) -> None:
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            write(tmp)
+            os.replace(tmp, path)
+        except OSError as e:
+            if disk_full(e):  # a failed write() names no file: name the one being written
+                raise FaultError(f"cannot write the run's files: {disk_full_message(e, path)}") from None
+            raise
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    replace(run_dir / "config.yaml", lambda p: p.write_text(config_yaml))
     if plan_table is not None:
-        (run_dir / "plan.txt").write_text(plan_table + "\n")
+        replace(run_dir / "plan.txt", lambda p: p.write_text(plan_table + "\n"))
     if not (tokenizer_copy.exists() and filecmp.cmp(tokenizer_file, tokenizer_copy, shallow=False)):
-        shutil.copyfile(tokenizer_file, tokenizer_copy)
+        replace(tokenizer_copy, lambda p: shutil.copyfile(tokenizer_file, p))
 
 
 def set_aside_logs(run_dir: pathlib.Path, names: tuple[str, ...]) -> None:

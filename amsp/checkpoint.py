@@ -54,7 +54,7 @@ from . import control
 from .checkpoint_verify import (MANIFEST_DIR, VERIFIED, ChecksumMixin, CheckpointDamaged, CheckpointMismatch,
                                 InputError, NonFiniteCheckpoint, RunDirLock, VerifyingReader, VerifyingWriter,
                                 all_finite, byte_view, read_manifests, fsync_path, save_failure, unwrap)
-from .errors import FaultError, RunError
+from .errors import EXIT_FAULT, FaultError, RunError, disk_full, disk_full_message
 
 log = logging.getLogger(__name__)
 # 2: tensors of two or more dims are stored in their full shape (format 1 flattened every tensor to 1-D;
@@ -63,6 +63,8 @@ FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
+# The Slurm job that last started this directory's run afresh (SLURM_JOB_ID): its requeue resumes that run.
+JOB_RECORD = ".slurm_job"
 
 
 @dataclass
@@ -207,6 +209,7 @@ class CheckpointManager:
         self.checksums = checksums  # False only for measuring their cost (scripts/bench/bench_checkpoint.py)
         self._pending: threading.Thread | None = None
         self._pending_error: BaseException | None = None
+        self._fallback: tuple[list[str], Path] | None = None  # load_latest's deferred set-aside
         self._lock = RunDirLock(self.root) if lock and not control.pretend_world() else None
         # DCP's collectives for a background save run on a CPU group of their own, never interleaving
         # with the main thread's control collectives (the per-step signal check among them).
@@ -224,16 +227,20 @@ class CheckpointManager:
                     log.warning("removing incomplete checkpoint %s (a save was interrupted)", stale)
                     shutil.rmtree(stale, ignore_errors=True)
             except OSError as e:  # no permission, a read-only file system, a file where a folder should be
-                error = InputError(f"cannot write the run directory {self.root.parent} ({e.strerror or e}): set "
-                                   f"trainer.output_dir / trainer.run_name to a writable place")
+                # A full disk is a fault (free space, requeue), not a command to change.
+                error = FaultError(f"cannot write the run directory {self.root.parent}: "
+                                   f"{disk_full_message(e, e.filename or self.root)}") if disk_full(e) else \
+                    InputError(f"cannot write the run directory {self.root.parent} ({e.strerror or e}): set "
+                               f"trainer.output_dir / trainer.run_name to a writable place")
             except RunError as e:
                 error = e
-        # Every rank leaves with the same outcome (rank 0's message, one line each).
-        failed = control.all_reduce_max_int(1 if error is not None else 0)
+        # Every rank leaves with the same outcome and exit code (rank 0's message, one line each).
+        failed = control.all_reduce_max_int(error.exit_code if error is not None else 0)
         if error is not None:
             raise error
         if failed:
-            raise InputError(f"rank 0 cannot write the run directory {self.root.parent}")
+            raise (FaultError if failed == EXIT_FAULT else InputError)(
+                f"rank 0 cannot write the run directory {self.root.parent}")
 
     def close(self) -> None:
         if self._lock is not None:
@@ -410,6 +417,35 @@ class CheckpointManager:
         control.barrier()
         return dest
 
+    def requeue_of_recorded_job(self) -> bool:
+        """Collective. True when this process is a Slurm requeue (SLURM_RESTART_COUNT > 0) of the job that
+        last started this directory's run afresh (record_job): that job's command, trainer.resume=false
+        included, is run again on every requeue, and starting over each time threw its own progress away."""
+        found = 0
+        job, restart = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_RESTART_COUNT", "0")
+        if _is_main() and job and restart.isdigit() and int(restart) > 0:
+            try:
+                found = int((self.root / JOB_RECORD).read_text().strip() == job)
+            except OSError:  # no record (a run before this file existed, or never under Slurm): start over
+                found = 0
+            if found:
+                log.info("trainer.resume=false, but this is requeue %s of Slurm job %s, which started the run in "
+                         "%s: resuming it instead of starting over", restart, job, self.root.parent)
+        return bool(control.all_reduce_max_int(found))
+
+    def record_job(self) -> None:
+        """Rank 0, at a fresh start: note the Slurm job (if any) that starts this run (requeue_of_recorded_job)."""
+        job = os.environ.get("SLURM_JOB_ID")
+        if not _is_main():
+            return
+        path = self.root / JOB_RECORD
+        if not job:
+            path.unlink(missing_ok=True)  # a run outside Slurm: no job's requeue may claim it
+            return
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(job + "\n")
+        os.replace(tmp, path)
+
     def wait(self) -> None:
         """Block until a pending asynchronous save is published; re-raise its error."""
         if self._pending is not None:
@@ -461,10 +497,12 @@ class CheckpointManager:
         os.replace(pointer_tmp, self.root / "latest")
         fsync_path(self.root)
 
-    def load_latest(self, load_fn) -> tuple[Path, dict] | None:
+    def load_latest(self, load_fn, defer_set_aside: bool = False) -> tuple[Path, dict] | None:
         """Collective. Load the checkpoint `latest` names with load_fn(path) -> meta; when it is
         damaged or missing, fall back to the newest verified older one (a WARNING naming both). None
-        when there is no checkpoint; FaultError when none is usable."""
+        when there is no checkpoint; FaultError when none is usable. defer_set_aside: the damaged ones are
+        renamed and `latest` moved only by finish_fallback(), once the caller's checks accept the resume
+        (a refused resume leaves the run directory as it was)."""
         pointer = self.root / "latest"
         name, verified = self.latest_name(), self.verified()
         if name is None:
@@ -492,10 +530,18 @@ class CheckpointManager:
                 tried.append(path.name)
                 continue
             if path.name != name:
-                self._set_aside(tried, path)
+                self._fallback = (tried, path)
+                if not defer_set_aside:
+                    self.finish_fallback()
             return path, meta
         raise FaultError(f"no usable checkpoint in {self.root}: {reason}; no older verified checkpoint to fall "
                          f"back to (start afresh with trainer.resume=false or another trainer.run_name)")
+
+    def finish_fallback(self) -> None:
+        """Collective: the renames and the `latest` move of a fallback that load_latest deferred (none: nothing)."""
+        fallback, self._fallback = self._fallback, None
+        if fallback is not None:
+            self._set_aside(*fallback)
 
     def _set_aside(self, damaged: list[str], good: Path) -> None:
         """Rename damaged checkpoints out of the way (kept for inspection, never pruned into the

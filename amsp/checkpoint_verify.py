@@ -33,7 +33,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from models.llama.dcp_safe import SafeFileSystemReader
 
-from .errors import FaultError, InputError
+from .errors import FaultError, InputError, disk_full, disk_full_message
 from .pid import pid_alive
 
 MANIFEST_DIR = "checksums"
@@ -285,8 +285,8 @@ def save_failure(step: int, tmp: Path, exc: BaseException) -> BaseException:
     os_err = unwrap(exc, OSError)
     if isinstance(os_err, OSError):
         where = os_err.filename or tmp
-        if os_err.errno == errno.ENOSPC:
-            return FaultError(f"checkpoint step {step}: no space left on device ({where})")
+        if disk_full(os_err):  # a quota (EDQUOT) too: both are a fault, as everywhere else (amsp/errors.py)
+            return FaultError(f"checkpoint step {step}: {disk_full_message(os_err, where)}")
         if os_err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             return InputError(f"checkpoint step {step}: cannot write {where}: {os_err.strerror}; make the run "
                               f"directory writable or set trainer.output_dir")
@@ -362,8 +362,13 @@ class RunDirLock:
             except PermissionError as e:
                 raise InputError(f"cannot write the run directory {self.path.parent.parent} ({e.strerror}); "
                                  f"set trainer.output_dir to a writable directory") from None
-            with os.fdopen(fd, "w") as f:
-                f.write(me + "\n")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(me + "\n")
+            except OSError:
+                # Left empty (a full disk), the lock would read to the next run as one whose writer died.
+                self.path.unlink(missing_ok=True)
+                raise
             self.held = True
             _HELD.add(self)
             return note

@@ -13,6 +13,7 @@ one), and the exit code says whose move it is:
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -70,7 +71,30 @@ def classify(exc: BaseException) -> tuple[int, str] | None:
         return EXIT_INPUT, "config error"
     if isinstance(exc, _input_types()):
         return EXIT_INPUT, "input error"
+    if disk_full(exc):  # wherever the write was (a log row, config.yaml, the lock): free space and resume
+        return EXIT_FAULT, "fault"
     return None
+
+
+# A full disk or an exhausted quota: no fault of the command's, and a rerun with space freed goes on.
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS
+
+
+def disk_full_message(exc: OSError, where=None) -> str:
+    """`no space left on device (PATH)` (or `disk quota exceeded (PATH)`), PATH the file being written
+    (`where`, else the error's file name): OSError's own text is `[Errno 28] No space left on device:
+    'PATH'`, names no file for a failed write(), and names the source for a failed copy."""
+    what = "disk quota exceeded" if exc.errno == errno.EDQUOT else "no space left on device"
+    where = where or exc.filename
+    return f"{what} ({where})" if where else what
+
+
+def _message(exc: BaseException) -> str:
+    return disk_full_message(exc) if disk_full(exc) else str(exc)
 
 
 def tracebacks_requested(level: str | None = None) -> bool:
@@ -99,7 +123,7 @@ def one_line_errors(level: str | None = None):
             _wait_for_rank_0()
         # One write of the whole line: ranks share the terminal, and print() writes the newline
         # separately, which lets another rank's line land in between.
-        sys.stderr.write(f"{prefix}{kind}: {exc}\n")
+        sys.stderr.write(f"{prefix}{kind}: {_message(exc)}\n")
         sys.stderr.flush()
         _release_process_groups()
         sys.exit(code)

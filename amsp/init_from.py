@@ -20,12 +20,12 @@ import logging
 import pathlib
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
 
-from models.llama.config import LlamaConfig
+from models.llama.config import LlamaConfig, RopeScaling
 
 from .checkpoint_verify import CheckpointDamaged
 from .errors import InputError
@@ -185,12 +185,31 @@ def _override(name: str, src: LlamaConfig) -> str:
         mult = "null" if src.ffn_dim_multiplier is None else repr(src.ffn_dim_multiplier)
         return f"model.multiple_of={src.multiple_of} model.ffn_dim_multiplier={mult}"
     value = getattr(src, name)
+    if isinstance(value, RopeScaling):  # a dataclass repr is no override: one per sub-field
+        return " ".join(f"model.rope_scaling.{k}={v}" for k, v in asdict(value).items())
     return f"model.{name}={str(value).lower() if isinstance(value, bool) else value}"
+
+
+def model_differences(old: LlamaConfig, new: LlamaConfig) -> tuple[list[str], list[str]]:
+    """(SHAPE_FIELDS, NUMERIC_FIELDS) in which `new` differs from `old`; the kernel and recomputation
+    choices (attention, norm, fused, activation_checkpointing) compute the same function and are ignored.
+    Shared by init_from and resume (data/resume_check.py), so both judge a model change alike."""
+    return ([f for f in SHAPE_FIELDS if getattr(old, f) != getattr(new, f)],
+            [f for f in NUMERIC_FIELDS if getattr(old, f) != getattr(new, f)])
+
+
+def describe_change(name: str, old: LlamaConfig, new: LlamaConfig) -> str:
+    """'model.NAME old -> new' (rope_scaling: only the sub-fields that differ)."""
+    a, b = getattr(old, name), getattr(new, name)
+    if isinstance(a, RopeScaling) and isinstance(b, RopeScaling):
+        da, db = asdict(a), asdict(b)
+        return ", ".join(f"model.rope_scaling.{k} {da[k]} -> {db[k]}" for k in da if da[k] != db[k])
+    return f"model.{name} {a} -> {b}"
 
 
 def check_matches(src: WeightSource, run: LlamaConfig) -> None:
     """Shapes must match (InputError naming each field and its override); other differences are logged."""
-    diff = [f for f in SHAPE_FIELDS if getattr(src.config, f) != getattr(run, f)]
+    diff = model_differences(src.config, run)[0]
     if diff:
         have = ", ".join(f"{f}={getattr(run, f)} (source {getattr(src.config, f)})" for f in diff)
         raise InputError(f"trainer.init_from={str(src.path)!r}: the run's model differs from the {src.kind}'s in "

@@ -255,7 +255,8 @@ class Replanner:
         file = self.run_dir / "replan.json"
         history = json.loads(file.read_text()) if file.exists() else [{}]
         history[-1].update({"switched_at_step": step, "checkpoint": str(path), "from": str(old), "to": str(new),
-                            "from_degrees": _degrees(old), "to_degrees": _degrees(new)})
+                            "from_degrees": _degrees(old), "to_degrees": _degrees(new),
+                            "checkpoint_meta_crc32": _meta_crc(path)})
         file.write_text(json.dumps(history, indent=2, default=str) + "\n")
 
 
@@ -284,6 +285,19 @@ def plan_after_switch(run_dir: pathlib.Path, topo, world: int):
         return None
     if latest_step < int(last["switched_at_step"]):
         return None
+    # Only the run that made the switch resumes it: a replan.json left by an earlier run (a fresh start in the
+    # same directory) changed a run that never switched, with a false reason. Its checkpoints after the switch
+    # have the plan switched to; the switch's own checkpoint (the old plan's) is known by its meta.json.
+    if latest_step == int(last["switched_at_step"]) and "checkpoint_meta_crc32" in last:
+        ours = _meta_crc(run_dir / "checkpoints" / name) == last["checkpoint_meta_crc32"]
+    else:  # a record without the CRC (older runs): the switch's own checkpoint has the plan switched from
+        ours = _plan_shape(meta.get("plan")) == _plan_shape(
+            last.get("from") if latest_step == int(last["switched_at_step"]) else last.get("to"))
+    if not ours:
+        log.info("planner: %s records a switch to %s at step %s, but the latest checkpoint %s was written by "
+                 "plan %s: not this run's switch, so the startup's plan stands", run_dir / "replan.json",
+                 last.get("to"), last["switched_at_step"], name, meta.get("plan"))
+        return None
     if meta.get("world_size") != world:
         log.info("planner: the run switched to %s at step %s on %s ranks; this launch has %d, so the startup's "
                  "plan stands", last.get("to"), last["switched_at_step"], meta.get("world_size"), world)
@@ -299,6 +313,24 @@ def plan_after_switch(run_dir: pathlib.Path, topo, world: int):
         return None
     return plan, (f"the run switched to it at step {last['switched_at_step']} ({last.get('reason', 'recheck')}; "
                   f"{run_dir / 'replan.json'})"), int(last["switched_at_step"])
+
+
+def _meta_crc(step_dir: pathlib.Path) -> int | None:
+    """CRC32 of a checkpoint's meta.json (its elapsed time makes it one run's): names the switch's checkpoint."""
+    import zlib
+
+    try:
+        return zlib.crc32((step_dir / "meta.json").read_bytes())
+    except OSError:
+        return None
+
+
+def _plan_shape(text) -> str | None:
+    """A plan's text without its name ("auto (p/g/os = 2/2/2)" -> "(p/g/os = 2/2/2)"): a resumed switched plan is
+    named as at the switch, but the degrees are what the checkpoint's layout depends on."""
+    if not isinstance(text, str):
+        return None
+    return text[text.find(" ("):] if " (" in text else text
 
 
 def _numbers(cost) -> dict:

@@ -99,8 +99,9 @@ class TrainerConfig:
     val_samples: int = 64  # validation samples per pass (whole global rounds only)
     max_consecutive_skips: int = 5  # non-finite steps in a row before the run stops
     collective_timeout_s: float = 600.0  # a dead or hung rank makes the others exit after this
-    # Resuming refuses a checkpoint written with another data.seq_len / tokenizer / data blend unless
-    # the change is named here, e.g. [seq_len] (data/resume_check.py says how the data position moves).
+    # Resuming refuses a checkpoint written with another data.seq_len / tokenizer / data blend or sample
+    # order seed, model.rope_theta / norm_eps / rope_scaling (model), or lr schedule (schedule) unless the
+    # change is named here, e.g. [seq_len] (data/resume_check.py says how the data position moves).
     allow_resume_changes: List[str] = field(default_factory=list)
 
 

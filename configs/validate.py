@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from amsp.parallel.micro_batches import SCHEDULES, virtual_stages_problem
 
 # What trainer.allow_resume_changes may name (data/resume_check.py acts on them).
-RESUME_CHANGES = ("seq_len", "tokenizer", "data")
+RESUME_CHANGES = ("seq_len", "tokenizer", "data", "model", "schedule")
 # The built-in corpus's smallest tokenizer: 256 byte pieces, the special pieces and every character the corpus
 # needs (sentencepiece counts 349 for the stdlib); below that its training fails with an INTERNAL error after the
 # corpus was extracted. The same floor data/pipeline.py holds the default vocabulary to (_BUILTIN_MIN_VOCAB).

@@ -57,6 +57,31 @@ COMM_KEYS = ("bytes_intra_node", "bytes_inter_node", "exposed_s")
 ELAPSED_KEY = "elapsed_s"
 
 
+def append_row(path: pathlib.Path, row: str) -> None:
+    """Append one line, whole or not at all: a write that fails part way (a full disk) is cut back to the
+    file's earlier end, since a torn last row breaks every reader of the file (and the resume's trim)."""
+    from amsp.errors import FaultError, disk_full, disk_full_message
+
+    data = row.encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        start = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:  # one write() in practice; a short write is continued, not left torn
+                view = view[os.write(fd, view):]
+        except OSError as e:
+            try:
+                os.ftruncate(fd, start)
+            except OSError as undo:
+                log.debug("cannot cut %s back to %d bytes: %s", path, start, undo)
+            if disk_full(e):
+                raise FaultError(f"cannot append a row: {disk_full_message(e, path)}") from None
+            raise
+    finally:
+        os.close(fd)
+
+
 class MetricsSink(Protocol):
     def log_metrics(self, record: dict[str, Any], step: int) -> None: ...
 
@@ -234,8 +259,7 @@ class MetricsLogger:
             record.update(extra)
         self._reset_window()
         if self.rank == 0:
-            with self.path.open("a") as f:
-                f.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
+            append_row(self.path, json.dumps(_json_safe(record), allow_nan=False) + "\n")
             log.info(self.console_line(record))
             if self.sink is not None:
                 self.sink.log_metrics(record, step)

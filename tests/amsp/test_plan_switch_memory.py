@@ -60,13 +60,15 @@ def _run_dir(tmp_path, latest_step: int, world: int, switched_at: int = 4):
     ckpt = tmp_path / "checkpoints"
     name = f"step_{latest_step:08d}"
     (ckpt / name).mkdir(parents=True)
-    (ckpt / name / "meta.json").write_text(json.dumps({"world_size": world, "plan": "x"}))
+    # The checkpoint's plan is the one switched to: a run whose checkpoint has another did not make this switch.
+    plan = "auto (blocks p/g/os = 1/2/4, embedding+head = 1/1/4)"
+    (ckpt / name / "meta.json").write_text(json.dumps({"world_size": world, "plan": plan}))
     (ckpt / "latest").write_text(name)
     to = {"p": 1, "g": 2, "os": 4, "embed_head_p": 1, "embed_head_g": 1, "embed_head_os": 4}
     (tmp_path / "replan.json").write_text(json.dumps([
         {"switch": False, "reason": "first"},
         {"switch": True, "reason": "zero2-like predicted 12% faster", "switched_at_step": switched_at,
-         "to": "1/2/4 | 1/1/4", "to_degrees": to}]))
+         "to": plan, "to_degrees": to}]))
     return tmp_path
 
 

@@ -63,7 +63,9 @@ def test_tokens_seen_continue_across_a_resume_with_another_batch(tmp_path):
     env = dict(os.environ, AMSP_CACHE_DIR=str(tmp_path / "cache"), WANDB_SILENT="true")
     base = [sys.executable, "train.py", f"trainer.output_dir={tmp_path}", "trainer.run_name=r", "model=debug",
             "model.vocab_size=8192", "trainer.micro_batch_size=2", "trainer.log_interval=1", "data.seq_len=64",
-            "logging.wandb.mode=disabled", "logging.plot=false"]
+            "logging.wandb.mode=disabled", "logging.plot=false",
+            # the decay horizon pinned: a longer max_steps alone would change the lr schedule, refused on resume
+            "optim.decay_steps=3"]
     for steps, batch in ((2, 4), (3, 8)):
         r = subprocess.run(base + [f"trainer.max_steps={steps}", f"trainer.global_batch_size={batch}"], cwd=ROOT,
                            capture_output=True, text=True, timeout=300, env=env)

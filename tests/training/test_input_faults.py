@@ -140,7 +140,7 @@ def test_allow_resume_changes_entries_are_validated(tmp_path):
     line = one_line_error(train(tmp_path / "v", "trainer.allow_resume_changes=[seqlen]", check=False),
                           kind="config error")
     assert line == ("config error: trainer.allow_resume_changes=['seqlen'] is not allowed: expected a list of "
-                    "seq_len|tokenizer|data"), line
+                    "seq_len|tokenizer|data|model|schedule"), line
     assert not (tmp_path / "v").exists()
 
 

@@ -96,7 +96,7 @@ def test_refused_resumes_leave_the_run_directory_and_fresh_starts_keep_old_logs(
     train(run, "trainer.max_steps=2")
     kept = {n: (run / n).read_bytes() for n in ("config.yaml", "plan.txt", "metrics.jsonl", "tokenizer.model")}
     for change, said in (("data.seq_len=64", "seq_len"),  # the data position's meaning changed
-                         ("model.n_layers=1", "entries the model lacks")):  # fewer layers: a partial model
+                         ("model.n_layers=1", "model.n_layers 2 -> 1")):  # another model: refused before loading
         proc = train(run, change, "trainer.max_steps=4", check=False)
         assert proc.returncode == EXIT_INPUT and said in proc.stderr, proc.stderr[-3000:]
         assert "resumed from checkpoint" not in proc.stdout
