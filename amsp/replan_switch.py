@@ -153,6 +153,8 @@ class Replanner:
             return {"error": f"{type(e).__name__}: {e}"}
 
     def _decide_or_raise(self, measured: rp.Measured, probed=None) -> dict:
+        if self.joint:
+            return self._joint_report(measured)
         from amsp.planner.cost_model import CostModel
         from amsp.planner.probe import apply_points
         from amsp.planner.solve import plan_cluster
@@ -198,6 +200,24 @@ class Replanner:
                   "stale_compute_profile_removed": removed, "stale_probe_removed": removed_probe}
         self._write(record)
         return {**record, "new_plan_object": best.plan if switch else None}
+
+    def _joint_report(self, measured: rp.Measured) -> dict:
+        """A joint plan (parallel.auto) is compared with the joint planner's own prediction, the step time its
+        table gives the winner (RUN_DIR/plan.txt): the data-parallel cost model prices another workload (one
+        stage's share, its own compute and link model), so its error and refit were meaningless (-48.8%,
+        communication x28) and the refit cleared valid caches. No refit, no replan: the joint plan is never
+        switched (rp.decide), and re-pricing it needs the joint search."""
+        predicted = joint_table_step_s(self.run_dir / "plan.txt")
+        err_t = rp.relative_error(predicted, measured.step_s) if predicted is not None else None
+        log.info("planner recheck after %d steps (joint plan, parallel.auto): step time measured %.4f s, the joint "
+                 "planner's table predicted %s (error %s); no refit and no replan for a joint plan",
+                 measured.steps, measured.step_s, "n/a" if predicted is None else f"{predicted:.4f} s", _pct(err_t))
+        record = {"switch": False, "reason": "joint plan: compared with the joint planner's table, no refit",
+                  "user_named": False, "replan": self.replan, "joint": True, "old_plan": str(self.plan),
+                  "new_plan": None, "measured": asdict(measured), "predicted_joint_step_s": predicted,
+                  "step_time_error": err_t}
+        self._write(record)
+        return {**record, "new_plan_object": None}
 
     def _write(self, record: dict) -> None:
         path = self.run_dir / "replan.json"
@@ -368,6 +388,18 @@ def _forget_stale_caches(options, cluster, fit) -> tuple[str | None, str | None]
                     "times off; removed %s so the next startup probes afresh", fit.comm_scale, STALE_FACTOR,
                     removed_probe)
     return removed, removed_probe
+
+
+def joint_table_step_s(path: pathlib.Path) -> float | None:
+    """The winner's predicted step time in the joint planner's table ("... wins at 0.091 s/step",
+    amsp.planner.joint.search); None when the table is not there or says no such thing."""
+    import re
+
+    try:
+        found = re.search(r"wins at ([0-9.]+(?:e-?[0-9]+)?) s/step", path.read_text())
+    except OSError:
+        return None
+    return float(found.group(1)) if found else None
 
 
 def _pct(x: float | None) -> str:

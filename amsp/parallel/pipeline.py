@@ -13,7 +13,6 @@ embedding is chunk 0 of pipeline rank 0 and the head the last chunk of the last 
 from __future__ import annotations
 
 import logging
-import math
 from contextlib import nullcontext
 from functools import partial
 
@@ -24,17 +23,12 @@ from models.llama.model import lm_loss
 
 from ..engine import to_device
 from ..errors import InputError
+from ..planner.workload import pipeline_split
 from ..routing_check import data_plane
 from .micro_batches import SCHEDULES, micro_batch_problem, virtual_stages_problem
 
 log = logging.getLogger(__name__)
 
-# Layer-equivalents the default split gives the embedding and the head (norm + vocabulary projection +
-# loss): the head of a LLaMA-7B costs about two thirds of a block's FLOPs per token and the embedding
-# little compute but a vocabulary-sized table, so one layer each keeps the end stages from being the
-# stragglers (torchtitan weights them the same way).
-EMBED_WEIGHT = 1.0
-HEAD_WEIGHT = 1.0
 # Schedules whose backward runs as an input-gradient pass and a later weight pass (the weight passes fill
 # the bubbles): the engine counts a chunk's micro-batch at its weight pass.
 DEFERRED_WEIGHT_SCHEDULES = ("zero_bubble",)
@@ -43,23 +37,12 @@ DEFERRED_WEIGHT_SCHEDULES = ("zero_bubble",)
 def split_layers(n_layers: int, stages: int, layer_split: list[int] | None = None) -> list[list[int]]:
     """Layer indices of each stage, in order. `layer_split` (layers per stage) wins; otherwise stages get
     equal shares of n_layers + EMBED_WEIGHT + HEAD_WEIGHT layer-equivalents (the first holds the
-    embedding, the last the head), rounded so every stage keeps at least one block."""
-    if stages < 1:
-        raise InputError(f"pipeline stages must be >= 1, got {stages}")
-    if layer_split is not None:
-        split = [int(n) for n in layer_split]
-        if len(split) != stages or sum(split) != n_layers or min(split) < 1:
-            raise InputError(f"parallel.layer_split={split} must give {stages} stages of >= 1 layer summing to "
-                             f"model.n_layers={n_layers}")
-    else:
-        if stages > n_layers:
-            raise InputError(f"{stages} pipeline stages for model.n_layers={n_layers}: every stage needs a block")
-        total = n_layers + EMBED_WEIGHT + HEAD_WEIGHT
-        bounds = [math.floor(total * k / stages - EMBED_WEIGHT + 0.5) for k in range(stages + 1)]
-        bounds[0], bounds[-1] = 0, n_layers
-        for k in range(1, stages):  # at least one block each, and room left for the stages after
-            bounds[k] = min(max(bounds[k], bounds[k - 1] + 1), n_layers - (stages - k))
-        split = [bounds[k + 1] - bounds[k] for k in range(stages)]
+    embedding, the last the head), rounded so every stage keeps at least one block. The arithmetic is the
+    planner's (amsp.planner.workload.pipeline_split, torch-free for its CLI), so both see one split."""
+    try:
+        split = pipeline_split(n_layers, stages, layer_split)
+    except ValueError as e:
+        raise InputError(str(e)) from None
     out, start = [], 0
     for n in split:
         out.append(list(range(start, start + n)))

@@ -119,8 +119,11 @@ def pipeline_schedule(cfg: DictConfig, pp: int) -> dict:
     and in-flight activations; without a pipeline the defaults."""
     if pp < 2:
         return {}
-    return {"schedule": str(OmegaConf.select(cfg, "parallel.schedule", default="1f1b")),
-            "virtual_stages": int(OmegaConf.select(cfg, "parallel.virtual_stages", default=1))}
+    split = OmegaConf.select(cfg, "parallel.layer_split", default=None)
+    # the split the pipeline runs (an explicit one may be uneven): the planner prices its largest rank
+    out = {"schedule": str(OmegaConf.select(cfg, "parallel.schedule", default="1f1b")),
+           "virtual_stages": int(OmegaConf.select(cfg, "parallel.virtual_stages", default=1))}
+    return out if split is None else {**out, "layer_split": tuple(int(n) for n in split)}
 
 
 def host_memory_bytes() -> int:

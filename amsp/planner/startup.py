@@ -18,7 +18,8 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from amsp import control
-from amsp.plan import Plan
+from amsp.errors import InputError
+from amsp.plan import Plan, PlanError
 from amsp.topology import Topology, checked_ranks_per_node
 
 from .from_config import (cluster_spec, cpu_shared_cores, machine_ranks, options_from_config, planner_config,
@@ -79,21 +80,34 @@ def plan_for_run(cfg: DictConfig, denv, device: torch.device | str = "cpu",
 
 def _on_rank0(denv, fn):
     """fn() on rank 0, its result on every rank (broadcast); its error raised on rank 0 and, as the
-    RuntimeError naming it, on the others. Collective when the world has several ranks."""
+    RuntimeError naming it, on the others. A ValueError is the planner refusing its input (a workload or
+    cluster the config describes): an InputError on every rank, one line and exit status 2, not a traceback.
+    Collective when the world has several ranks."""
     box: list = [None]
     error = None
     if denv.rank == 0:
         try:
             box[0] = fn()
-        except (NoFeasiblePlan, ValueError, SolverError) as e:  # tell the other ranks, then raise here
+        except (ValueError, InputError) as e:  # tell the other ranks, then raise here; PlanError stays itself
+            error = e if isinstance(e, (InputError, PlanError)) else InputError(f"planner: {e}")
+            box[0] = _InputFailure(str(error))
+        except (NoFeasiblePlan, SolverError) as e:  # tell the other ranks, then raise here
             error, box[0] = e, f"{type(e).__name__}: {e}"
     if denv.world_size > 1 and dist.is_initialized():
         box[0] = control.broadcast_object(box[0], src=0)
     if error is not None:
         raise error
+    if isinstance(box[0], _InputFailure):  # the same input error rank 0 raises, so every rank exits 2
+        raise InputError(box[0].message)
     if isinstance(box[0], str):
         raise RuntimeError(f"the planner failed on rank 0: {box[0]}")
     return box[0]
+
+
+@dataclass(frozen=True)
+class _InputFailure:
+    """Rank 0's input error, broadcast to the other ranks (a plain str is a failure of another kind)."""
+    message: str
 
 
 def fitting_cluster(cfg: DictConfig, topo, r: int, denv, device, points, p):

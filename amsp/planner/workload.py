@@ -3,8 +3,9 @@
 Units are the engine's flat buffers (amsp/engine.py): each transformer block ("blocks" group), the
 embedding and the final norm + output head ("embed_head" group); with tied embeddings the embedding
 and the head are one unit, gathered from the embedding's forward to the head's. With tensor parallelism (tp) a
-unit's parameters, FLOPs and activations are split tp ways; with pipeline parallelism (pp) a rank
-holds n_layers/pp blocks. For memory we keep the embedding and the head on every stage, which is
+unit's parameters, FLOPs and activations are split tp ways; with pipeline parallelism (pp) the rank
+priced is the one holding the most blocks of the runtime's split (parallel.layer_split, else balanced).
+For memory we keep the embedding and the head on every stage, which is
 exact for pp = 1 and conservative (by one of the two) for pp > 1.
 
 Activation memory per transformer layer and micro-batch, following Korthikanti et al. 2022
@@ -43,6 +44,7 @@ accumulator of d/dW and, on CPU, an fp32 copy of W (Kernels.loss_kernel).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from amsp.parallel.micro_batches import SCHEDULES
@@ -87,6 +89,37 @@ def default_kernels(model: LlamaConfig) -> Kernels:
     return Kernels(fused=frozenset({"off": (), "on": ALL_OPS}.get(model.fused, tuple(AUTO_OPS))))
 
 
+# Layer-equivalents the default pipeline split gives the embedding and the head (norm + vocabulary projection +
+# loss): the head of a LLaMA-7B costs about two thirds of a block's FLOPs per token and the embedding little
+# compute but a vocabulary-sized table, so one layer each keeps the end stages from being the stragglers
+# (torchtitan weights them the same way).
+EMBED_WEIGHT = 1.0
+HEAD_WEIGHT = 1.0
+
+
+def pipeline_split(n_layers: int, stages: int, layer_split=None) -> list[int]:
+    """Blocks per stage, for the planner and the runtime alike (amsp.parallel.pipeline.split_layers; here
+    because this module imports no torch, as the planner CLI must not): `layer_split` wins; otherwise equal
+    shares of n_layers + EMBED_WEIGHT + HEAD_WEIGHT layer-equivalents, every stage keeping at least one
+    block. A split that cannot run is a ValueError."""
+    if stages < 1:
+        raise ValueError(f"pipeline stages must be >= 1, got {stages}")
+    if layer_split is not None:
+        split = [int(n) for n in layer_split]
+        if len(split) != stages or sum(split) != n_layers or min(split) < 1:
+            raise ValueError(f"parallel.layer_split={split} must give {stages} stages of >= 1 layer summing to "
+                             f"model.n_layers={n_layers}")
+        return split
+    if stages > n_layers:
+        raise ValueError(f"{stages} pipeline stages for model.n_layers={n_layers}: every stage needs a block")
+    total = n_layers + EMBED_WEIGHT + HEAD_WEIGHT
+    bounds = [math.floor(total * k / stages - EMBED_WEIGHT + 0.5) for k in range(stages + 1)]
+    bounds[0], bounds[-1] = 0, n_layers
+    for k in range(1, stages):  # at least one block each, and room left for the stages after
+        bounds[k] = min(max(bounds[k], bounds[k - 1] + 1), n_layers - (stages - k))
+    return [bounds[k + 1] - bounds[k] for k in range(stages)]
+
+
 @dataclass(frozen=True)
 class Workload:
     model: LlamaConfig
@@ -113,17 +146,22 @@ class Workload:
     # bubble and how many micro-batches' activations a stage holds (the joint planner prices 1F1B)
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    # blocks per (virtual) stage as parallel.layer_split names them; None: the runtime's balanced split
+    layer_split: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recomputation mode {self.recompute!r} is not one of {RECOMPUTE_MODES}")
         if self.micro_batches < 1 or self.micro_batch_size < 1 or self.seq_len < 1:
             raise ValueError("micro_batches, micro_batch_size and seq_len must be positive")
-        if self.model.n_layers % self.pp:
-            raise ValueError(f"pipeline degree pp={self.pp} must divide n_layers={self.model.n_layers}")
+        if self.pp < 1:
+            raise ValueError(f"pipeline degree pp={self.pp} must be >= 1")
         if self.schedule not in SCHEDULES or self.virtual_stages < 1:
             raise ValueError(f"pipeline schedule {self.schedule!r} x {self.virtual_stages} virtual stages: expected "
                              f"one of {SCHEDULES} and >= 1")
+        # no divisibility rule: the runtime splits any n_layers (amsp.parallel.pipeline.split_layers), and a
+        # split it cannot make is refused here with its reason, so the planner never prices another split
+        self.stage_layers()
 
     @property
     def run_kernels(self) -> Kernels:
@@ -170,9 +208,20 @@ class Workload:
         return op in kernels.fused or (kernels.compiled and self.tp == 1 and not self.pipelined)
 
     # ---- units ----
+    def stage_layers(self) -> list[int]:
+        """Blocks of each (virtual) stage, in stage order: what the pipeline builds (pipeline_split)."""
+        stages = self.pp * self.virtual_stages if self.pp > 1 else 1
+        return pipeline_split(self.model.n_layers, stages, self.layer_split if self.pp > 1 else None)
+
     @property
     def layers(self) -> int:
-        return self.model.n_layers // self.pp
+        """Blocks of the pipeline rank holding the most (its chunks' stages: s % pp, as
+        amsp.parallel.pipeline.rank_stages places them): the worst stage the rank is priced as. An uneven
+        split (n_layers not divisible by pp, or an explicit parallel.layer_split) prices its largest rank."""
+        per_stage = self.stage_layers()
+        if self.pp < 2:
+            return per_stage[0]
+        return max(sum(per_stage[s] for s in range(r, len(per_stage), self.pp)) for r in range(self.pp))
 
     @property
     def block_numel(self) -> int:
