@@ -34,7 +34,7 @@ from amsp.exit_gc import skip_shutdown_gc_passes
 from amsp.init_from import init_weights_from
 from amsp.launch import DistEnv, init_distributed, log_backend_choices
 from amsp.metrics import MetricsLogger, StepTimer, resolve_peak
-from amsp.metrics.logger import append_row, drop_rows_after
+from amsp.metrics.logger import append_row, drop_rows_after, model_parallel_comm_note
 from amsp.metrics.plan_config import log_plan, log_switch
 from amsp.metrics.wandb_logger import WandbLogger
 from amsp.build import describe_node_override, engine_from_config, plan_from_config, topology_from
@@ -139,6 +139,9 @@ def make_metrics(cfg: DictConfig, denv: DistEnv, run_dir: pathlib.Path, device: 
     peak = resolve_peak(device, dtype, cfg.logging.peak_tflops, cluster_tflops) if denv.is_main else None
     if peak is not None:
         log.info("MFU peak: %.4g TFLOP/s per device (%s)", peak.flops / 1e12, peak.source)
+    # cfg.parallel is the layout as run (after a joint plan): its TP/PP bytes are not in the line's count
+    if denv.is_main and (note := model_parallel_comm_note(cfg.parallel.tp, cfg.parallel.pp)):
+        log.info("%s", note)
     return MetricsLogger(run_dir, rank=denv.rank, world_size=denv.world_size, total_steps=cfg.trainer.max_steps,
                          tokens_per_step=tokens_per_step, flops_per_token=fpt, device=device, peak=peak,
                          sink=sink)
@@ -182,7 +185,6 @@ def run(cfg: DictConfig) -> None:
     # A Slurm requeue runs the same command again: trainer.resume=false there would throw away its own progress.
     resume = cfg.trainer.resume or ckpt.requeue_of_recorded_job()
     resolved = OmegaConf.to_yaml(cfg, resolve=True)
-    config_yaml = resolved  # RUN_DIR/config.yaml, written once the run goes ahead (write_run_files)
     unwritable = None
     if denv.is_main:
         try:
@@ -219,6 +221,9 @@ def run(cfg: DictConfig) -> None:
     joint, planned_table = None, None
     if cfg.parallel.auto:
         cfg, joint, planned_table = joint_plan_for_run(cfg, denv, device, None)
+    # RUN_DIR/config.yaml, written once the run goes ahead (write_run_files): the config as run, so taken
+    # after the joint plan (its tp, pp, layer split, micro-batch size) and model.compile=auto are applied.
+    config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     # Model parallelism (parallel.tp / parallel.pp): the mesh owns every group; the batch splits over the
     # DP groups only (a TP group and a pipeline read the same samples). None: data parallelism alone.
     mesh = mesh_from_config(cfg, denv)

@@ -393,6 +393,9 @@ def _parallel_problems(cfg: DictConfig) -> list[str]:
         given = _given(p, JOINT_CHOOSES)
         given += [f"amsp.{k}={OmegaConf.select(cfg, f'amsp.{k}')}" for k in AMSP_DEGREES
                   if OmegaConf.select(cfg, f"amsp.{k}") is not None]
+        # its per-stage recomputation replaces this (joint_startup.with_joint_plan): a hand-given one never ran
+        if (ac := OmegaConf.select(cfg, "model.activation_checkpointing")) not in (None, "none"):
+            given.append(f"model.activation_checkpointing={ac}")
         if given:
             out.append(f"{', '.join(given)} not allowed with parallel.auto=true: the joint planner chooses "
                        f"them (it prices the 1F1B schedule); drop them, or set parallel.auto=false to run them as "

@@ -188,3 +188,18 @@ def test_settings_that_contradict_each_other_are_refused(change, words):
     cfg = OmegaConf.merge(default_cfg(), change)
     with pytest.raises(ConfigError, match=words):
         validate_config(cfg)
+
+
+@pytest.mark.parametrize("value", ["full", "selective"])
+def test_hand_given_recomputation_refused_with_parallel_auto(value):
+    """The joint plan's per-stage recomputation replaced a hand-given model.activation_checkpointing: a run
+    asked for full checkpointing trained without it and said nothing."""
+    cfg = default_cfg()
+    cfg.parallel.auto, cfg.model.activation_checkpointing = True, value
+    with pytest.raises(ConfigError, match=f"model.activation_checkpointing={value} not allowed with "
+                                          f"parallel.auto=true: the joint planner chooses"):
+        validate_config(cfg)
+    cfg.model.activation_checkpointing = "none"  # the default passes, as without parallel.auto any value
+    validate_config(cfg)
+    cfg.parallel.auto, cfg.model.activation_checkpointing = False, value
+    validate_config(cfg)

@@ -14,7 +14,9 @@ Field meanings (times are means per step over the interval, in seconds):
 - time_*: the step-time breakdown. time_exposed_comm_s is the engine's time spent waiting on
   collectives; that wait happens inside the forward_backward/optimizer phases, so it is shown
   next to them, not added to them. time_other_s is what no phase covered.
-- comm_bytes_intra_node / comm_bytes_inter_node: bytes per step as counted by rank 0's engine.
+- comm_bytes_intra_node / comm_bytes_inter_node: bytes per step as counted by rank 0's AMSP engine: its
+  data-parallel traffic only (the console's `dp comm/step`). Tensor-parallel collectives and pipeline
+  sends are not counted; with tp or pp > 1 startup says so once (model_parallel_comm_note).
 - tokens: tokens seen since the run's start, counted from the data loader's consumed samples
   (so a resumed run, even one resumed with another batch size, continues the count correctly).
 - memory_*: per rank, reduced over ranks by max (memory_peak_rank names the rank of the largest
@@ -55,6 +57,17 @@ log = logging.getLogger("metrics")
 COMM_KEYS = ("bytes_intra_node", "bytes_inter_node", "exposed_s")
 # The checkpoint's meta.json key holding the run's elapsed wall time at the checkpoint's step.
 ELAPSED_KEY = "elapsed_s"
+
+
+def model_parallel_comm_note(tp: int, pp: int) -> str | None:
+    """The startup line for a tp or pp > 1 run: its metrics line's byte count leaves out that traffic (a TP=2
+    run logged `comm/step intra 4 B` beside megabytes of TP all-reduces). None at tp = pp = 1."""
+    if tp * pp <= 1:
+        return None
+    left_out = " and ".join(w for w, on in (("tensor-parallel collectives", tp > 1), ("pipeline sends", pp > 1))
+                            if on)
+    return (f"metrics: 'dp comm/step' (comm_bytes_intra_node / comm_bytes_inter_node in metrics.jsonl) counts the "
+            f"AMSP engine's data-parallel traffic only; this run's {left_out} (tp {tp}, pp {pp}) are not in it")
 
 
 def append_row(path: pathlib.Path, row: str) -> None:
@@ -321,7 +334,8 @@ class MetricsLogger:
                 f" comm wait {r['time_exposed_comm_s']:.3f}" if r["time_exposed_comm_s"] is not None else ""),
         ]
         if r["comm_bytes_intra_node"] is not None:
-            parts.append(f"comm/step intra {_fmt_bytes(r['comm_bytes_intra_node'])} "
+            # "dp": the engine counts its data-parallel collectives only, not TP's or the pipeline's
+            parts.append(f"dp comm/step intra {_fmt_bytes(r['comm_bytes_intra_node'])} "
                          f"inter {_fmt_bytes(r['comm_bytes_inter_node'])}")
         parts.append(_memory_text(r))
         if r["world_size"] > 1:

@@ -102,6 +102,9 @@ def refuse_ignored_options(mode: str, args) -> None:
         ignored += overridden(args.overrides, JOINT_KEYS)
         # a named AMSP plan: the joint planner picks every stage's degrees (amsp.plan=auto is what it does)
         ignored += [o for o in overridden(args.overrides, ("amsp.plan",)) if o.split("=", 1)[-1] != "auto"]
+        # recomputation is chosen per stage, as train.py's config check says under parallel.auto
+        ignored += [o for o in overridden(args.overrides, ("model.activation_checkpointing",))
+                    if o.split("=", 1)[-1] != "none"]
         if ignored:
             raise InputError(f"{' and '.join(ignored)}: not available with --joint (the joint planner ranks its "
                              f"whole space and prices the 1F1B schedule; name a plan's tp/pp with parallel.* and "

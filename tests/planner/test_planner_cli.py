@@ -159,6 +159,7 @@ def test_cli_plans_without_importing_torch():
     (["--efficiency", "eff.json", "--hetero", "h.yaml"], "--hetero and --efficiency apply only with --joint"),
     (["--joint", "--price", "zero3"], "--price: not available with --joint"),
     (["simulate", "--joint"], "simulate: not available with --joint"),
+    (["--joint", "model.activation_checkpointing=full"], "model.activation_checkpointing=full: not available"),
 ])
 def test_cli_input_errors_are_one_line(capsys, args, message):
     """Bad input ends with one line and exit status 2, as train.py's does, never a traceback or an option
