@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,18 @@ def schedule_change(old: dict, now: dict, step: int) -> str | None:
             f"(old schedule) to {lr_new:.3g} (new){hint}")
 
 
+def schedule_jumps(old: dict, now: dict, step: int) -> bool:
+    """Whether the lr of the first resumed step differs between the recorded schedule and the run's. A change
+    that does not move it (max_steps extended while the warmup still runs, as a short run's is) bends the
+    curve only from here on: said, not refused."""
+    was, new = old.get("lr_schedule"), now.get("lr_schedule")
+    if not was or not new or was == new:
+        return False
+    from amsp.optim import WarmupCosine
+
+    return not math.isclose(WarmupCosine(**was)(step), WarmupCosine(**new)(step), rel_tol=1e-9, abs_tol=1e-15)
+
+
 def _contents_change(old: dict, now: dict) -> str:
     """The sources whose document or token count changed under the same prefix (preprocessed again)."""
     moved = [f"{p}: {od} documents, {ot} tokens -> {nd} documents, {nt} tokens"
@@ -190,6 +203,11 @@ def check_resume(old: dict, now: dict, allowed, checkpoint: Path | str, consumed
     found = changes(old, now)
     refused = {k: v for k, v in found.items() if k not in allowed}
     schedule = schedule_change(old, now, step) if step is not None else None
+    if schedule and not schedule_jumps(old, now, step):  # the same lr at the resumed step: no jump to refuse
+        if is_main:
+            log.info("resuming from %s: %s; no jump at the resumed step, the new schedule applies from here",
+                     checkpoint, schedule)
+        schedule = None
     if refused or (schedule and "schedule" not in allowed):
         said = ([f"{'; '.join(refused.values())} since it was written (its data position of {consumed_samples} "
                  f"samples means other data now)"] if refused else [])
@@ -221,4 +239,4 @@ def check_resume(old: dict, now: dict, allowed, checkpoint: Path | str, consumed
 
 
 __all__ = ["RESUME_CHANGES", "changes", "check_model_before_load", "check_resume", "check_vocab_before_load",
-           "run_identity", "schedule_change", "schedule_record"]
+           "run_identity", "schedule_change", "schedule_jumps", "schedule_record"]

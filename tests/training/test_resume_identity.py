@@ -85,13 +85,24 @@ def test_a_longer_max_steps_is_refused_naming_the_lr_jump_and_the_way_to_extend(
         "0.00065 (new); to extend the run on the old schedule set optim.decay_steps=4. Restore the old value(s), "
         "or allow it with trainer.allow_resume_changes=[schedule]")
     with pytest.raises(InputError, match=r"optim.lr 0.001 -> 0.002.*allow_resume_changes=\[schedule\]$"):
-        check_resume(old, identity(lr=2e-3), ["data"], "CK", 16, step=4)
+        check_resume(old, identity(lr=2e-3), ["data"], "CK", 16, step=2)  # mid-decay (at step 4 both are floored)
     caplog.set_level(logging.INFO)
     assert check_resume(old, longer, ["schedule"], "CK", 16, step=4) == 16
     assert len(warnings_of(caplog)) == 1 and "goes from 0.0001 (old schedule) to 0.00065 (new)" in \
         warnings_of(caplog)[0]
     caplog.clear()  # the old horizon kept (optim.decay_steps=4 with trainer.max_steps=8): the same schedule
     assert check_resume(old, identity(decay=4), [], "CK", 16, step=4) == 16 and warnings_of(caplog) == []
+
+
+def test_a_longer_horizon_inside_the_warmup_is_said_not_refused(caplog):
+    """A short run still warming up (warmup 20 > max_steps 4, as the Slurm e2e job's) extended to 6 steps: the lr
+    of the resumed step is the same on both schedules, so there is no jump to refuse; the change is said."""
+    warm = lambda decay: run_identity(32, fake_data(), 512, data_seed=1234,  # noqa: E731
+                                      schedule=WarmupCosine(1e-3, 1e-4, 20, decay))
+    caplog.set_level(logging.INFO)
+    assert check_resume(warm(4), warm(6), [], "CK", 16, step=4) == 16 and warnings_of(caplog) == []
+    assert "4 -> 6; the lr of step 5 (the first resumed) goes from 0.00025 (old schedule) to 0.00025 (new)" in \
+        caplog.text and "no jump at the resumed step" in caplog.text
 
 
 def test_another_sample_order_seed_is_a_data_change(caplog):
