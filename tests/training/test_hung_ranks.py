@@ -164,6 +164,9 @@ def test_sigstop_zero3_4_ranks(tmp_path):
     _stop_case(tmp_path, 4, "zero3", victim=2)
 
 
+# Slow (the suite's time budget): a dead rank stays in the default run through test_faults'
+# test_killed_rank_stops_every_rank_and_relaunch_resumes (4 ranks, SIGKILL, then the relaunch resumes).
+@pytest.mark.slow
 def test_die_ddp_4_ranks(tmp_path):
     _kill_case(tmp_path, 4, "ddp", victim=1)
 
@@ -248,7 +251,7 @@ def _torchrun_summary(out: str) -> dict[int, str]:
     return {int(r): c for r, c in re.findall(r"rank\s*: (\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*: (-?\d+)", out)}
 
 
-@pytest.mark.slow  # ~30 s; the fast suite keeps the 4-rank SIGSTOP, death and clock-skew cases
+@pytest.mark.slow  # ~30 s; the fast suite keeps the 4-rank SIGSTOP case (and test_faults' killed rank)
 def test_torchrun_dead_rank_survivors_report_themselves(tmp_path):
     """torchrun's agent SIGTERMs the survivors as soon as a rank dies: the preemption handler only sets a
     flag, so each survivor still prints its own line and exits 3, and torchrun's summary shows that."""

@@ -160,6 +160,9 @@ def test_init_from_hf_one_rank_matches_transformers_and_exports(hf_dir, run_from
     assert abs(hf_loss(tmp_path / "exported", x, y) - first_loss(run)) > 1e-4
 
 
+# Slow (the suite's time budget): the default run keeps the one-rank import against transformers, the
+# tensor-parallel import and test_every_rank_fills_exactly_its_shards (every rank's shards of a sharded plan).
+@pytest.mark.slow
 def test_init_from_hf_four_ranks_sharded_plan(hf_dir, corpus, tmp_path):
     """One spawned 4-rank run: parameters sharded 4 ways (ZeRO-3), every rank fills only its slices."""
     run = tmp_path / "from_hf_4"

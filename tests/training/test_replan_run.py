@@ -76,6 +76,9 @@ def test_recheck_times_the_links_the_startup_did_not(tmp_path):
         assert sorted(losses(run)) == [1, 2, 3, 4]
 
 
+# Slow (the suite's time budget): the default run keeps the switch itself
+# (test_wrong_prior_switches_plan_with_the_same_losses); this adds the async periodic checkpoint under it.
+@pytest.mark.slow
 def test_switch_at_an_async_periodic_checkpoint_keeps_every_rank_together(tmp_path):
     """The switch through a periodic checkpoint written in the background: only rank 0 publishes it (in
     its writer thread), so each rank looking for it itself could disagree, one half of the world keeping
