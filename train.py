@@ -262,7 +262,8 @@ def run(cfg: DictConfig) -> None:
                          switched[1])
             plan = switched[0]
     # After amsp.planner.recheck_steps steps: measured vs predicted, refit, maybe a better plan (amsp/replan_switch.py).
-    replanner = Replanner(cfg, denv, device, planned, plan, run_dir, joint=joint is not None)
+    replanner = Replanner(cfg, denv, device, planned, plan, run_dir, joint=joint is not None,
+                          joint_step_s=joint.step_s if joint is not None else None)
     # Checkpoints carry the config with the tokenizer they were trained with (a copy in the run
     # directory), so an export needs nothing but the run directory.
     tokenizer_copy = run_dir / data.tokenizer.copy_name  # tokenizer.model | tokenizer.json | tokenizer.tiktoken

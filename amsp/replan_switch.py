@@ -38,13 +38,15 @@ _GIB = 2**30
 class Replanner:
     """One recheck per process; rank 0 decides, every rank follows."""
 
-    def __init__(self, cfg, denv, device: torch.device, planned, plan, run_dir: pathlib.Path, joint: bool = False):
+    def __init__(self, cfg, denv, device: torch.device, planned, plan, run_dir: pathlib.Path, joint: bool = False,
+                 joint_step_s: float | None = None):
         p = OmegaConf.select(cfg, "amsp.planner")
         self.recheck_steps = int(p.recheck_steps)
         self.replan = bool(p.replan)
         self.cfg, self.denv, self.device, self.run_dir = cfg, denv, torch.device(device), run_dir
         self.planned = planned  # startup.PlanOutcome when the planner chose; None: the user named the plan
         self.joint = joint  # a stage's share of the joint planner's plan (parallel.auto): reported, never switched
+        self.joint_step_s = joint_step_s  # the joint planner's predicted step (its JointPlan.step_s)
         self.user_named = planned is None and not joint
         self.plan = plan
         # On CPU the peak is the process's anonymous memory above what it held just before the engine was
@@ -202,12 +204,12 @@ class Replanner:
         return {**record, "new_plan_object": best.plan if switch else None}
 
     def _joint_report(self, measured: rp.Measured) -> dict:
-        """A joint plan (parallel.auto) is compared with the joint planner's own prediction, the step time its
-        table gives the winner (RUN_DIR/plan.txt): the data-parallel cost model prices another workload (one
+        """A joint plan (parallel.auto) is compared with the joint planner's own prediction (the winner's
+        JointPlan.step_s): the data-parallel cost model prices another workload (one
         stage's share, its own compute and link model), so its error and refit were meaningless (-48.8%,
         communication x28) and the refit cleared valid caches. No refit, no replan: the joint plan is never
         switched (rp.decide), and re-pricing it needs the joint search."""
-        predicted = joint_table_step_s(self.run_dir / "plan.txt")
+        predicted = self.joint_step_s
         err_t = rp.relative_error(predicted, measured.step_s) if predicted is not None else None
         log.info("planner recheck after %d steps (joint plan, parallel.auto): step time measured %.4f s, the joint "
                  "planner's table predicted %s (error %s); no refit and no replan for a joint plan",
@@ -388,18 +390,6 @@ def _forget_stale_caches(options, cluster, fit) -> tuple[str | None, str | None]
                     "times off; removed %s so the next startup probes afresh", fit.comm_scale, STALE_FACTOR,
                     removed_probe)
     return removed, removed_probe
-
-
-def joint_table_step_s(path: pathlib.Path) -> float | None:
-    """The winner's predicted step time in the joint planner's table ("... wins at 0.091 s/step",
-    amsp.planner.joint.search); None when the table is not there or says no such thing."""
-    import re
-
-    try:
-        found = re.search(r"wins at ([0-9.]+(?:e-?[0-9]+)?) s/step", path.read_text())
-    except OSError:
-        return None
-    return float(found.group(1)) if found else None
 
 
 def _pct(x: float | None) -> str:

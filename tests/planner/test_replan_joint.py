@@ -1,5 +1,5 @@
 """The recheck of a joint plan (parallel.auto) compares the measured step with the joint planner's own
-prediction (its table's winner, RUN_DIR/plan.txt), not the data-parallel cost model's price of one stage's
+prediction (its winner's JointPlan.step_s), not the data-parallel cost model's price of one stage's
 share (a -48.8% error and a communication x28 refit that cleared the caches); it refits and replans nothing."""
 from __future__ import annotations
 
@@ -13,17 +13,17 @@ import amsp.replan_switch as rs
 from amsp.planner import replan as rp
 
 
-def _replanner(tmp_path):
+def _replanner(tmp_path, joint_step_s=None):
     cfg = OmegaConf.create({"amsp": {"planner": {"recheck_steps": 20, "replan": True}}})
     denv = SimpleNamespace(rank=0, world_size=1)
-    return rs.Replanner(cfg, denv, "cpu", None, "joint-plan", tmp_path, joint=True)
+    return rs.Replanner(cfg, denv, "cpu", None, "joint-plan", tmp_path, joint=True,
+                          joint_step_s=joint_step_s)
 
 
 def test_joint_recheck_compares_with_the_joint_table(tmp_path, monkeypatch, caplog):
-    (tmp_path / "plan.txt").write_text("joint planner\ntp1 pp1 mbs2 wins at 0.091 s/step (predicted MFU 30.0%)\n")
     forgotten = []
     monkeypatch.setattr(rs, "_forget_stale_caches", lambda *a: forgotten.append(a) or (False, False))
-    r = _replanner(tmp_path)
+    r = _replanner(tmp_path, joint_step_s=0.091)
     with caplog.at_level(logging.INFO, logger=rs.__name__):
         record = r._decide_or_raise(rp.Measured(step_s=0.1, exposed_comm_s=0.0, peak_bytes=0.0, steps=20))
     assert record["switch"] is False and record["new_plan_object"] is None
